@@ -1,0 +1,156 @@
+"""Where each leg goes: backend groups, balancing, passive health, DNS discovery.
+
+A BackendGroup holds the endpoints of one role. Static URLs give one endpoint
+each; a ``dns+`` URL gives one per address its name resolves to, refreshed in
+the background (a headless Kubernetes Service lists its ready pods). An
+endpoint whose connection failed is skipped for a short cooldown while others
+remain.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import time
+from typing import Iterable
+
+from .config import EndpointSpec
+from .upstream import Endpoint, Resolver, Upstream
+
+log = logging.getLogger("lowproxy.backends")
+
+COOLDOWN_SECONDS = 2.0
+
+
+class BackendGroup:
+    def __init__(self, role: str, specs: Iterable[EndpointSpec]) -> None:
+        self.role = role
+        self.specs = tuple(specs)
+        self._static = [Endpoint(spec) for spec in self.specs if not spec.discover]
+        self._discovered: dict[EndpointSpec, dict[str, Endpoint]] = {
+            spec: {} for spec in self.specs if spec.discover}
+        self.endpoints: list[Endpoint] = list(self._static)
+        self._next = 0
+
+    @property
+    def configured(self) -> bool:
+        return bool(self.specs)
+
+    def usable_count(self, now: float | None = None) -> int:
+        now = time.monotonic() if now is None else now
+        return sum(1 for endpoint in self.endpoints if endpoint.usable(now))
+
+    def in_cooldown(self) -> int:
+        now = time.monotonic()
+        return sum(1 for endpoint in self.endpoints if not endpoint.usable(now))
+
+    def pick_least_loaded(self, exclude: tuple[Endpoint, ...] = ()) -> Endpoint | None:
+        """Fewest requests in flight; ties go round robin."""
+        endpoints = self.endpoints
+        count = len(endpoints)
+        if count == 1:
+            only = endpoints[0]
+            return only if only not in exclude and only.usable(time.monotonic()) else None
+        now = time.monotonic()
+        best: Endpoint | None = None
+        start = self._next
+        for offset in range(count):
+            endpoint = endpoints[(start + offset) % count]
+            if endpoint in exclude or not endpoint.usable(now):
+                continue
+            if best is None or endpoint.in_flight < best.in_flight:
+                best = endpoint
+        self._next = (start + 1) % count if count else 0
+        return best
+
+    def pick_round_robin(self, exclude: tuple[Endpoint, ...] = ()) -> Endpoint | None:
+        endpoints = self.endpoints
+        count = len(endpoints)
+        now = time.monotonic()
+        for _ in range(count):
+            endpoint = endpoints[self._next % count]
+            self._next = (self._next + 1) % count
+            if endpoint not in exclude and endpoint.usable(now):
+                return endpoint
+        return None
+
+    @staticmethod
+    def cool_down(endpoint: Endpoint) -> None:
+        endpoint.cooldown_until = time.monotonic() + COOLDOWN_SECONDS
+
+    async def refresh(self, resolver: Resolver, upstream: Upstream) -> None:
+        """Resolve every dns+ name again; keep endpoints (and pools) that remain."""
+        if not self._discovered:
+            return
+        for spec, known in self._discovered.items():
+            try:
+                addresses = await resolver(spec.host, spec.port)
+            except Exception as exc:  # keep the last good answer
+                log.warning("%s: resolving %s failed, keeping %d address(es): %s",
+                            self.role, spec.label, len(known), exc)
+                continue
+            fresh = {address: known.get(address) or Endpoint(spec, address)
+                     for address in addresses}
+            for address, endpoint in known.items():
+                if address not in fresh:
+                    upstream.close_idle(endpoint)
+            if set(fresh) != set(known):
+                log.info("%s: %s resolves to %s", self.role, spec.label,
+                         ", ".join(sorted(fresh)) or "nothing")
+            self._discovered[spec] = fresh
+        self.endpoints = self._static + [endpoint for known in self._discovered.values()
+                                         for endpoint in known.values()]
+
+
+class PrefillTargetAllowList:
+    """Which scheduler-named prefill targets (x-prefiller-host-port) may be used.
+
+    Entries are host names, ``host:port`` pairs or CIDRs. Without entries the
+    header is ignored altogether: honouring it from anyone would let a client
+    make the proxy (and the decode server's KV pull) connect anywhere.
+    """
+
+    def __init__(self, entries: Iterable[str]) -> None:
+        self.hosts: set[str] = set()
+        self.host_ports: set[tuple[str, int]] = set()
+        self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for entry in entries:
+            if "/" in entry:
+                self.networks.append(ipaddress.ip_network(entry, strict=False))
+                continue
+            host, port = split_host_port(entry)
+            if port is None:
+                self.hosts.add(host)
+            else:
+                self.host_ports.add((host, port))
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.hosts or self.host_ports or self.networks)
+
+    def allows(self, host: str, port: int) -> bool:
+        if host in self.hosts or (host, port) in self.host_ports:
+            return True
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return any(address in network for network in self.networks)
+
+
+def split_host_port(text: str) -> tuple[str, int | None]:
+    """``host``, ``host:port``, ``[v6]:port`` -> (lowercased host, port or None)."""
+    text = text.strip().lower()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port_text = rest[1:] if rest.startswith(":") else ""
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, ""
+    if not port_text:
+        return host, None
+    port = int(port_text)
+    if not 0 < port < 65536:
+        raise ValueError(f"port {port} out of range")
+    return host, port

@@ -1,0 +1,409 @@
+"""One frozen Config, built once at start from PD_PROXY_* variables and flags.
+
+Every setting is declared once in SETTINGS: its environment variable, its flag,
+its parser, its default and its meaning. The README's configuration reference
+is written from the same table (``python -m lowproxy --help`` prints it too).
+A value that does not parse stops the daemon before it binds anything, with one
+line naming the variable or flag, and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+
+class ConfigError(ValueError):
+    """A setting that cannot be used; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class EndpointSpec:
+    """One configured backend, as the operator wrote it.
+
+    ``discover`` marks ``dns+http(s)://name:port``: the name is resolved to all
+    of its addresses (a headless Kubernetes Service) and re-resolved while
+    running. ``bootstrap_port`` overrides the handshake's bootstrap port for
+    this endpoint only (written ``http://host:port#bootstrap_port=9000``).
+    """
+
+    scheme: str
+    host: str
+    port: int
+    base_path: str = ""
+    discover: bool = False
+    bootstrap_port: int | None = None
+
+    @property
+    def tls(self) -> bool:
+        return self.scheme == "https"
+
+    @property
+    def label(self) -> str:
+        prefix = "dns+" if self.discover else ""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{prefix}{self.scheme}://{host}:{self.port}{self.base_path}"
+
+
+def parse_endpoint(text: str) -> EndpointSpec:
+    """Parse one backend URL; raise ValueError with a reason when it is unusable."""
+    raw = text.strip()
+    bootstrap_port = None
+    if "#" in raw:
+        raw, _, fragment = raw.partition("#")
+        key, _, value = fragment.partition("=")
+        if key.strip() != "bootstrap_port":
+            raise ValueError(f"unknown option {fragment!r} (only #bootstrap_port=N)")
+        bootstrap_port = _port(value)
+    raw = raw.rstrip("/")
+    discover = raw.startswith("dns+")
+    if discover:
+        raw = raw[4:]
+    scheme, sep, rest = raw.partition("://")
+    if not sep or scheme not in ("http", "https"):
+        raise ValueError(f"{text.strip()!r} is not an http:// or https:// URL")
+    authority, slash, path = rest.partition("/")
+    if "@" in authority:
+        raise ValueError("credentials in a backend URL are not supported")
+    if "?" in authority or "?" in path:
+        raise ValueError("a backend URL takes no query string")
+    if authority.startswith("["):
+        host, _, port_text = authority[1:].partition("]")
+        port_text = port_text[1:] if port_text.startswith(":") else port_text
+    else:
+        host, _, port_text = authority.partition(":")
+    if not host:
+        raise ValueError(f"{text.strip()!r} has no host")
+    port = _port(port_text) if port_text else (443 if scheme == "https" else 80)
+    base_path = ("/" + path) if slash and path else ""
+    return EndpointSpec(scheme, host.lower(), port, base_path, discover, bootstrap_port)
+
+
+def _port(text: str) -> int:
+    value = int(text.strip())
+    if not 0 < value < 65536:
+        raise ValueError(f"port {value} out of range 1-65535")
+    return value
+
+
+# -- value parsers: each takes the raw text and returns the value or raises ValueError
+
+
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError(f"{text!r} is not an integer") from None
+        if not low <= value <= high:
+            raise ValueError(f"{value} is outside {low}..{high}")
+        return value
+
+    return parse
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number of seconds") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{text!r} must be a finite number >= 0")
+    return value
+
+
+def _optional_seconds(text: str) -> float | None:
+    """Seconds, where empty or 0 means no bound."""
+    if not text.strip():
+        return None
+    value = _seconds(text)
+    return value or None
+
+
+def _bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (1/0, true/false)")
+
+
+def _choice(*choices: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        value = text.strip().lower()
+        if value not in choices:
+            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
+        return value
+
+    return parse
+
+
+def _text(text: str) -> str:
+    return text
+
+
+def _stripped(text: str) -> str:
+    return text.strip()
+
+
+def _endpoints(text: str) -> tuple[EndpointSpec, ...]:
+    return tuple(parse_endpoint(item) for item in text.split(",") if item.strip())
+
+
+def _allow_list(text: str) -> tuple[str, ...]:
+    """Hosts, host:port pairs and CIDRs; validated here, matched in routing.allow."""
+    entries = tuple(item.strip().lower() for item in text.split(",") if item.strip())
+    for entry in entries:
+        if "/" in entry:
+            ipaddress.ip_network(entry, strict=False)
+    return entries
+
+
+def _status(text: str) -> int:
+    return _int_in(100, 599)(text)
+
+
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+@dataclass(frozen=True)
+class Setting:
+    field: str
+    env: str
+    flag: str
+    parse: Callable[[str], Any]
+    default: str
+    help: str
+    repeatable: bool = False  # the flag may be given several times (joined by commas)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("host", "PD_PROXY_HOST", "--host", _stripped, "0.0.0.0", "address to listen on"),
+    Setting("port", "PD_PROXY_PORT", "--port", _int_in(0, 65535), "8000", "port to listen on"),
+    Setting(
+        "prefill", "PD_PROXY_PREFILL_URL", "--prefill", _endpoints, "",
+        "prefill backend URL(s), comma-separated; http://, https://, dns+http://, "
+        "dns+https://; #bootstrap_port=N overrides the bootstrap port of one endpoint; "
+        "empty: no prefill, decode computes prompts itself", repeatable=True,
+    ),
+    Setting(
+        "decode", "PD_PROXY_DECODE_URL", "--decode", _endpoints, "",
+        "decode backend URL(s), comma-separated, same syntax", repeatable=True,
+    ),
+    Setting(
+        "ca_file", "PD_PROXY_CA_FILE", "--ca-file", _stripped, "",
+        "CA bundle trusted (exclusively) for https:// backends; re-read when the file "
+        "changes; empty: the system trust store",
+    ),
+    Setting(
+        "residency_timeout", "PD_PROXY_RESIDENCY_TIMEOUT_SECONDS", "--residency-timeout",
+        _seconds, "2", "accepted for compatibility with the GCO proxy; the residency "
+        "store is never on the request path",
+    ),
+    Setting(
+        "no_decode_status", "PD_PROXY_NO_DECODE_BACKEND_STATUS", "--no-decode-status",
+        _status, "503", "status answered when no decode backend can be reached",
+    ),
+    Setting(
+        "no_decode_message", "PD_PROXY_NO_DECODE_BACKEND_MESSAGE", "--no-decode-message",
+        _text, "no available decode backend", "error message answered with that status",
+    ),
+    Setting(
+        "admin_api_key", "ADMIN_API_KEY", "--admin-api-key", _text, "",
+        "key for POST .../instances/add (x-admin-api-key or Authorization: Bearer); "
+        "empty: the admin path always answers 403",
+    ),
+    Setting("log_level", "PD_PROXY_LOG_LEVEL", "--log-level", _choice(*_LOG_LEVELS), "info",
+            "log level: " + ", ".join(_LOG_LEVELS)),
+    Setting("log_format", "PD_PROXY_LOG_FORMAT", "--log-format", _choice("text", "json"),
+            "text", "log line format: text or json"),
+    Setting(
+        "prefill_timeout", "PD_PROXY_PREFILL_TIMEOUT_SECONDS", "--prefill-timeout",
+        _seconds, "300", "bound on the whole prefill leg (and the relay of its answer)",
+    ),
+    Setting(
+        "connect_timeout", "PD_PROXY_CONNECT_TIMEOUT_SECONDS", "--connect-timeout",
+        _seconds, "5", "bound on opening one upstream connection (TCP and TLS)",
+    ),
+    Setting(
+        "decode_timeout", "PD_PROXY_DECODE_TIMEOUT_SECONDS", "--decode-timeout",
+        _optional_seconds, "0", "bound on a whole decode response; 0: none (generations "
+        "are long)",
+    ),
+    Setting(
+        "kv_protocol", "PD_PROXY_KV_PROTOCOL", "--kv-protocol",
+        _choice("relay", "mooncake", "sglang"), "relay",
+        "KV handshake: relay (prefill then decode, prefill's kv_transfer_params relayed), "
+        "mooncake (vLLM 0.16+ concurrent bootstrap), sglang",
+    ),
+    Setting(
+        "on_prefill_failure", "PD_PROXY_ON_PREFILL_FAILURE", "--on-prefill-failure",
+        _choice("recompute", "error"), "recompute",
+        "when the prefill leg fails: recompute (decode computes the prompt itself) or "
+        "error (502 prefill_failed)",
+    ),
+    Setting(
+        "mooncake_bootstrap_port", "PD_PROXY_MOONCAKE_BOOTSTRAP_PORT",
+        "--mooncake-bootstrap-port", _int_in(1, 65535), "8998",
+        "port of the prefill's Mooncake bootstrap server (GET /query)",
+    ),
+    Setting(
+        "sglang_bootstrap_port", "PD_PROXY_SGLANG_BOOTSTRAP_PORT", "--sglang-bootstrap-port",
+        _int_in(1, 65535), "8998", "SGLang disaggregation bootstrap port sent to both legs",
+    ),
+    Setting(
+        "dns_refresh", "PD_PROXY_DNS_REFRESH_SECONDS", "--dns-refresh", _seconds, "10",
+        "how often dns+ endpoints are resolved again",
+    ),
+    Setting(
+        "prefill_header_allow", "PD_PROXY_PREFILL_HEADER_ALLOW", "--prefill-header-allow",
+        _allow_list, "", "hosts, host:port pairs or CIDRs a x-prefiller-host-port header "
+        "may name; empty: the header is ignored", repeatable=True,
+    ),
+    Setting(
+        "upstream_keepalive", "PD_PROXY_UPSTREAM_KEEPALIVE", "--upstream-keepalive", _bool,
+        "1", "keep upstream connections alive in a pool; 0: one connection per call",
+    ),
+    Setting(
+        "upstream_max_requests", "PD_PROXY_UPSTREAM_MAX_REQUESTS", "--upstream-max-requests",
+        _int_in(1, 10**9), "1000", "requests one pooled connection serves before it retires",
+    ),
+    Setting(
+        "upstream_max_age", "PD_PROXY_UPSTREAM_MAX_AGE_SECONDS", "--upstream-max-age",
+        _seconds, "30", "age at which a pooled connection retires (kube-proxy balances "
+        "connections, not requests)",
+    ),
+    Setting(
+        "upstream_idle", "PD_PROXY_UPSTREAM_IDLE_SECONDS", "--upstream-idle", _seconds, "15",
+        "how long an idle pooled connection is kept",
+    ),
+    Setting(
+        "max_header_bytes", "PD_PROXY_MAX_HEADER_BYTES", "--max-header-bytes",
+        _int_in(1024, 16 * 1024 * 1024), str(64 * 1024),
+        "request line plus headers larger than this: 431",
+    ),
+    Setting(
+        "max_body_bytes", "PD_PROXY_MAX_BODY_BYTES", "--max-body-bytes",
+        _int_in(0, 2**40), str(32 * 1024 * 1024), "request body larger than this: 413",
+    ),
+    Setting(
+        "header_timeout", "PD_PROXY_HEADER_TIMEOUT_SECONDS", "--header-timeout", _seconds,
+        "30", "a request's head must arrive within this many seconds (408)",
+    ),
+    Setting(
+        "keepalive_timeout", "PD_PROXY_KEEPALIVE_SECONDS", "--keepalive", _seconds, "75",
+        "idle client keep-alive connections are closed after this many seconds",
+    ),
+    Setting(
+        "max_connections", "PD_PROXY_MAX_CONNECTIONS", "--max-connections",
+        _int_in(1, 10**7), "10000", "open client connections beyond this get 503",
+    ),
+    Setting(
+        "drain_seconds", "PD_PROXY_DRAIN_SECONDS", "--drain", _seconds, "25",
+        "on SIGTERM/SIGINT, how long in-flight requests may finish",
+    ),
+    Setting(
+        "metrics_port", "PD_PROXY_METRICS_PORT", "--metrics-port", _int_in(0, 65535), "0",
+        "also serve /metrics on this port (0: only on the main listener)",
+    ),
+    Setting("trace", "PD_PROXY_TRACE", "--trace", _bool, "0",
+            "start a W3C trace id for requests that carry none"),
+    Setting("loop", "PD_PROXY_LOOP", "--loop", _choice("auto", "asyncio", "uvloop"), "auto",
+            "event loop: uvloop when installed (auto), or force one"),
+    Setting("workers", "PD_PROXY_WORKERS", "--workers", _int_in(1, 256), "1",
+            "processes sharing the port (SO_REUSEPORT)"),
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    prefill: tuple[EndpointSpec, ...] = ()
+    decode: tuple[EndpointSpec, ...] = ()
+    ca_file: str = ""
+    residency_timeout: float = 2.0
+    no_decode_status: int = 503
+    no_decode_message: str = "no available decode backend"
+    admin_api_key: str = ""
+    log_level: str = "info"
+    log_format: str = "text"
+    prefill_timeout: float = 300.0
+    connect_timeout: float = 5.0
+    decode_timeout: float | None = None
+    kv_protocol: str = "relay"
+    on_prefill_failure: str = "recompute"
+    mooncake_bootstrap_port: int = 8998
+    sglang_bootstrap_port: int = 8998
+    dns_refresh: float = 10.0
+    prefill_header_allow: tuple[str, ...] = ()
+    upstream_keepalive: bool = True
+    upstream_max_requests: int = 1000
+    upstream_max_age: float = 30.0
+    upstream_idle: float = 15.0
+    max_header_bytes: int = 64 * 1024
+    max_body_bytes: int = 32 * 1024 * 1024
+    header_timeout: float = 30.0
+    keepalive_timeout: float = 75.0
+    max_connections: int = 10000
+    drain_seconds: float = 25.0
+    metrics_port: int = 0
+    trace: bool = False
+    loop: str = "auto"
+    workers: int = 1
+    demo: bool = False
+
+    def __repr__(self) -> str:  # never print the admin key
+        shown = dataclasses.replace(self, admin_api_key="***" if self.admin_api_key else "")
+        fields = ", ".join(f"{f.name}={getattr(shown, f.name)!r}" for f in dataclasses.fields(self))
+        return f"Config({fields})"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="lowproxy",
+        description="Prefill/decode proxy for disaggregated LLM serving. Every flag "
+        "also reads the environment variable shown; a flag wins over its variable.",
+    )
+    for setting in SETTINGS:
+        parser.add_argument(
+            setting.flag,
+            dest=setting.field,
+            action="append" if setting.repeatable else "store",
+            metavar=setting.env,
+            help=f"{setting.help} (env {setting.env}, default {setting.default!r})",
+        )
+    parser.add_argument("--demo", action="store_true",
+                        help="start embedded emulated vLLM prefill and decode backends "
+                        "and proxy to them")
+    parser.add_argument("--version", action="store_true",
+                        help="print the version and bundled dependency versions")
+    return parser
+
+
+def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
+                ) -> tuple[Config, argparse.Namespace]:
+    """Build the Config from the environment and argv (flags win). Raise ConfigError."""
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    values: dict[str, Any] = {}
+    for setting in SETTINGS:
+        flagged = getattr(args, setting.field)
+        if flagged is not None:
+            source = setting.flag
+            text = ",".join(flagged) if setting.repeatable else flagged
+        elif setting.env in environ:
+            source, text = setting.env, environ[setting.env]
+        else:
+            source, text = setting.env, setting.default
+        try:
+            values[setting.field] = setting.parse(text)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {exc}") from None
+    values["demo"] = bool(args.demo)
+    return Config(**values), args

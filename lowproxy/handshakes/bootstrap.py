@@ -1,0 +1,147 @@
+"""The Mooncake bootstrap map: which engine id serves each data-parallel rank.
+
+vLLM 0.16+ prefill runs a bootstrap server (rank 0 worker, plain HTTP) whose
+``GET /query`` answers ``{"<rank>": {"engine_id": ...}, ...}``. Decode needs
+the engine id of the rank that computed the KV. Engine ids are random per
+start, so the answer is cached per prefill endpoint (LRU, bounded) and dropped
+when a request to that endpoint fails: a restarted prefill has new ids.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from typing import Callable
+
+from ..config import EndpointSpec
+from ..upstream import Endpoint, Upstream, UpstreamError
+
+QUERY_TIMEOUT_SECONDS = 5.0  # as llm-d's sidecar and vLLM's own bound
+CACHE_ENTRIES = 1024
+MAX_ANSWER_BYTES = 1024 * 1024
+
+
+class BootstrapError(Exception):
+    pass
+
+
+class EngineMap:
+    """One prefill endpoint's ranks and engine ids, and whose turn is next."""
+
+    __slots__ = ("ranks", "engine_ids", "_turn")
+
+    def __init__(self, engines: dict[str, str]) -> None:
+        self.ranks = sorted(engines, key=lambda rank: (len(rank), rank))
+        self.engine_ids = engines
+        self._turn = 0
+
+    def next_rank(self) -> tuple[str, str]:
+        """Spread prefill load over the ranks, in turn."""
+        rank = self.ranks[self._turn % len(self.ranks)]
+        self._turn += 1
+        return rank, self.engine_ids[rank]
+
+
+def parse_query_answer(raw: bytes) -> dict[str, str]:
+    try:
+        data = json.loads(raw)
+    except ValueError as exc:
+        raise BootstrapError(f"answer is not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise BootstrapError("answer is not a JSON object")
+    engines = {str(rank): entry["engine_id"] for rank, entry in data.items()
+               if isinstance(entry, dict) and isinstance(entry.get("engine_id"), str)
+               and entry["engine_id"]}
+    if not engines:
+        raise BootstrapError("no engine_id in the answer")
+    return engines
+
+
+class BootstrapCache:
+    def __init__(self, upstream: Upstream, default_port: int,
+                 on_query: Callable[[float, bool], None] | None = None) -> None:
+        self.upstream = upstream
+        self.default_port = default_port
+        self._maps: OrderedDict[str, EngineMap] = OrderedDict()
+        self._queries: dict[str, asyncio.Future[EngineMap]] = {}
+        # Bootstrap servers are plain-HTTP endpoints of their own (pooled like any).
+        self._servers: OrderedDict[str, Endpoint] = OrderedDict()
+        self._on_query = on_query
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def servers(self) -> list[Endpoint]:
+        return list(self._servers.values())
+
+    def bootstrap_port(self, endpoint: Endpoint) -> int:
+        return endpoint.spec.bootstrap_port or self.default_port
+
+    def bootstrap_addr(self, endpoint: Endpoint) -> str:
+        host = endpoint.bootstrap_host
+        host = f"[{host}]" if ":" in host else host
+        return f"http://{host}:{self.bootstrap_port(endpoint)}"
+
+    def forget(self, endpoint: Endpoint) -> None:
+        self._maps.pop(endpoint.label, None)
+
+    async def engines(self, endpoint: Endpoint) -> EngineMap:
+        """The endpoint's engine map, from the cache or one (shared) query."""
+        key = endpoint.label
+        cached = self._maps.get(key)
+        if cached is not None:
+            self._maps.move_to_end(key)
+            return cached
+        pending = self._queries.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._query(endpoint))
+            self._queries[key] = pending
+            pending.add_done_callback(lambda _f, key=key: self._queries.pop(key, None))
+        # Shielded: one client leaving must not cancel a query others wait on.
+        return await asyncio.shield(pending)
+
+    async def _query(self, endpoint: Endpoint) -> EngineMap:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        ok = False
+        try:
+            engine_map = await asyncio.wait_for(self._fetch(endpoint), QUERY_TIMEOUT_SECONDS)
+            ok = True
+        except asyncio.TimeoutError:
+            raise BootstrapError(f"{self.bootstrap_addr(endpoint)}/query did not answer "
+                                 f"within {QUERY_TIMEOUT_SECONDS:g}s") from None
+        finally:
+            if self._on_query is not None:
+                self._on_query(loop.time() - started, ok)
+        self._maps[endpoint.label] = engine_map
+        while len(self._maps) > CACHE_ENTRIES:
+            self._maps.popitem(last=False)
+        return engine_map
+
+    async def _fetch(self, endpoint: Endpoint) -> EngineMap:
+        address = f"{endpoint.bootstrap_host}:{self.bootstrap_port(endpoint)}"
+        server = self._servers.get(address)
+        if server is None:
+            server = Endpoint(EndpointSpec("http", endpoint.bootstrap_host,
+                                           self.bootstrap_port(endpoint)))
+            self._servers[address] = server
+            while len(self._servers) > CACHE_ENTRIES:
+                _, evicted = self._servers.popitem(last=False)
+                self.upstream.close_idle(evicted)
+        try:
+            response = await self.upstream.request(server, b"GET", b"/query",
+                                                   [(b"accept", b"application/json")], None)
+        except UpstreamError as exc:
+            raise BootstrapError(f"{self.bootstrap_addr(endpoint)}/query: {exc}") from None
+        try:
+            if not 200 <= response.status < 300:
+                raise BootstrapError(f"{self.bootstrap_addr(endpoint)}/query answered "
+                                     f"{response.status}")
+            try:
+                raw = await response.read(MAX_ANSWER_BYTES)
+            except UpstreamError as exc:
+                raise BootstrapError(str(exc)) from None
+        finally:
+            await response.aclose()
+        return EngineMap(parse_query_answer(raw))

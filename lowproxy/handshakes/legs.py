@@ -1,0 +1,127 @@
+"""Pure body shaping: from the client's JSON object to the prefill and decode bodies.
+
+No I/O here. The facts behind each rule are in shared/PROTOCOL.md; each rule
+names the vLLM behaviour it exists for.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+Body = dict[str, Any]
+
+KV = "kv_transfer_params"
+
+# vLLM rejects these on a max_tokens=1, stream=false request: stream_options
+# without stream ("Stream options can only be defined when stream=True"), and
+# min_tokens > max_tokens. Decode gets them back unchanged.
+_PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
+
+
+class BodyError(ValueError):
+    """The client's body is not a usable JSON object; the message is the client's answer."""
+
+
+def parse_client_body(raw: bytes) -> Body:
+    """Parse the client's body once. An empty body counts as {} (as in the GCO proxy)."""
+    if not raw:
+        return {}
+    try:
+        decoded = json.loads(raw)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        raise BodyError("invalid JSON body") from None
+    if not isinstance(decoded, dict):
+        raise BodyError("JSON body must be an object")
+    return decoded
+
+
+def serialise(body: Body) -> bytes:
+    # ensure_ascii keeps lone surrogates from a client's "\ud800" escapes encodable.
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+def without_client_kv(body: Body) -> Body:
+    """The client's body minus any kv_transfer_params it sent.
+
+    A client-set remote_bootstrap_addr or remote_host would make the decode
+    server connect wherever the client likes, so what the client sent never
+    reaches either leg.
+    """
+    if KV in body:
+        body = dict(body)
+        del body[KV]
+    return body
+
+
+def primed_prefill_body(body: Body, kv_transfer_params: Body | None) -> Body:
+    """The prefill leg of relay and mooncake: one token, not streamed, KV kept.
+
+    ``ignore_eos``: vLLM keeps the prompt's KV for the remote decoder only when
+    the request stops on the length cap; an EOS first token frees it, and decode
+    would wait for KV that never comes. ``max_completion_tokens`` wins over
+    ``max_tokens`` in chat, so it is capped too, when the client sent it.
+    """
+    prefill = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
+    prefill["stream"] = False
+    prefill["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        prefill["max_completion_tokens"] = 1
+    prefill["ignore_eos"] = True
+    if kv_transfer_params is not None:
+        prefill[KV] = kv_transfer_params
+    else:
+        prefill.pop(KV, None)
+    return prefill
+
+
+def relay_prefill_body(body: Body) -> Body:
+    return primed_prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False})
+
+
+def relay_decode_body(body: Body, prefill_kv: Any) -> Body:
+    """Decode gets prefill's kv_transfer_params with the flags turned round, or none.
+
+    When prefill returned nothing usable (null, not an object, empty), decode
+    gets no kv_transfer_params at all and computes the prompt itself: a
+    half-filled dict makes NIXL decode assert and Mooncake decode wait.
+    """
+    if not isinstance(prefill_kv, dict) or not prefill_kv:
+        return body
+    decode = dict(body)
+    kv = dict(prefill_kv)
+    kv["do_remote_prefill"] = True
+    kv["do_remote_decode"] = False
+    decode[KV] = kv
+    return decode
+
+
+def mooncake_bodies(body: Body, transfer_id: str, engine_id: str,
+                    bootstrap_addr: str) -> tuple[Body, Body]:
+    """Prefill and decode bodies of the vLLM 0.16+ concurrent Mooncake handshake."""
+    prefill = primed_prefill_body(
+        body, {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    )
+    decode = dict(body)
+    decode[KV] = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_id": transfer_id,
+        "remote_engine_id": engine_id,
+        "remote_bootstrap_addr": bootstrap_addr,
+    }
+    return prefill, decode
+
+
+def sglang_body(body: Body, bootstrap_host: str, bootstrap_port: int, room: int) -> Body:
+    """SGLang PD: the same body to both legs plus the three bootstrap fields."""
+    shaped = dict(body)
+    shaped["bootstrap_host"] = bootstrap_host
+    shaped["bootstrap_port"] = bootstrap_port
+    shaped["bootstrap_room"] = room
+    return shaped
+
+
+def wants_stream(body: Body) -> bool:
+    # Truthiness, as the GCO proxy judged it (vLLM's pydantic also takes 1 for true).
+    return bool(body.get("stream"))

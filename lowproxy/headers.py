@@ -1,0 +1,84 @@
+"""What crosses each hop: request headers forwarded upstream, response headers relayed.
+
+Header values travel as the peer's raw bytes in both directions (non-ASCII
+included): h11 hands them to us as bytes and we never decode them, so nothing
+is transcoded. Names arrive lowercased from h11.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+Headers = list[tuple[bytes, bytes]]
+
+# End-to-end request headers a model server may act on. Everything else (cookies,
+# authorization, proxy headers, x-prefiller-host-port, content-length, host,
+# content-encoding: the body is re-serialised) stops at the proxy, as in the
+# GCO proxy. The proxy sets host, content-length and the trace headers itself.
+FORWARDED_REQUEST_HEADERS = frozenset(
+    {
+        b"accept",
+        b"accept-encoding",
+        b"cache-control",
+        b"content-type",
+        b"idempotency-key",
+        b"if-match",
+        b"if-none-match",
+        b"prefer",
+        b"range",
+        b"user-agent",
+        b"x-request-id",
+    }
+)
+
+# Hop-by-hop headers (RFC 9110 section 7.6.1, and the list Go's ReverseProxy
+# strips). Framing headers are the proxy's own: content-length is dropped too and
+# the client side re-frames what it relays.
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+        b"content-length",
+    }
+)
+
+
+def forwarded_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """The client's headers that may reach a backend, in order, bytes unchanged."""
+    return [(name, value) for name, value in headers if name in FORWARDED_REQUEST_HEADERS]
+
+
+def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Header names listed in Connection: they are hop-by-hop too (RFC 9110 7.6.1)."""
+    tokens: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            tokens.update(t.strip().lower() for t in value.split(b",") if t.strip())
+    return frozenset(tokens)
+
+
+def relayed_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """Upstream response headers minus hop-by-hop ones; repeats kept, bytes unchanged."""
+    headers = list(headers)
+    named = connection_tokens(headers)
+    relayed = []
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered in HOP_BY_HOP or lowered in named:
+            continue
+        relayed.append((lowered, value))
+    return relayed
+
+
+def header_value(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The first value of a (lowercase) header name, or None."""
+    for key, value in headers:
+        if key == name:
+            return value
+    return None

@@ -1,0 +1,211 @@
+"""An asyncio-native network stream for httpcore.
+
+httpcore's default asyncio path goes through anyio's socket streams, which cost
+several event-loop round trips per read. This stream is a plain
+``asyncio.Protocol`` with a small buffer: ``read`` returns what has arrived,
+and reading pauses when the buffer passes a high-water mark, so a consumer that
+stops reading (a slow client downstream) pushes back on the backend through
+TCP instead of growing memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from typing import Any
+
+import httpcore
+
+# Stop reading from the socket past this much unread data (back-pressure).
+READ_HIGH_WATER = 64 * 1024
+
+
+class _StreamProtocol(asyncio.Protocol):
+    __slots__ = ("transport", "chunks", "size", "eof", "error", "reader", "writer",
+                 "reading_paused", "writing_paused", "loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.chunks: list[bytes] = []
+        self.size = 0
+        self.eof = False
+        self.error: BaseException | None = None
+        self.reader: asyncio.Future[None] | None = None
+        self.writer: asyncio.Future[None] | None = None
+        self.reading_paused = False
+        self.writing_paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.chunks.append(data)
+        self.size += len(data)
+        if self.size > READ_HIGH_WATER and not self.reading_paused:
+            self.reading_paused = True
+            self.transport.pause_reading()  # type: ignore[union-attr]
+        self._wake_reader()
+
+    def eof_received(self) -> bool:
+        self.eof = True
+        self._wake_reader()
+        return False  # close our side too: HTTP/1.1 has no use for half-open
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        self.error = exc
+        self._wake_reader()
+        writer, self.writer = self.writer, None
+        if writer is not None and not writer.done():
+            writer.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.writing_paused = True
+
+    def resume_writing(self) -> None:
+        self.writing_paused = False
+        writer, self.writer = self.writer, None
+        if writer is not None and not writer.done():
+            writer.set_result(None)
+
+    def _wake_reader(self) -> None:
+        reader, self.reader = self.reader, None
+        if reader is not None and not reader.done():
+            reader.set_result(None)
+
+
+def _expire(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_exception(TimeoutError())
+
+
+class AsyncioStream(httpcore.AsyncNetworkStream):
+    """httpcore's network stream interface over one asyncio transport."""
+
+    __slots__ = ("_protocol", "_transport")
+
+    def __init__(self, protocol: _StreamProtocol) -> None:
+        self._protocol = protocol
+        self._transport = protocol.transport
+
+    async def _wait(self, attr: str, timeout: float | None) -> None:
+        protocol = self._protocol
+        future = protocol.loop.create_future()
+        setattr(protocol, attr, future)
+        if timeout is None:
+            await future
+            return
+        timer = protocol.loop.call_later(timeout, _expire, future)
+        try:
+            await future
+        finally:
+            timer.cancel()
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        protocol = self._protocol
+        if not protocol.chunks:
+            if protocol.eof:
+                return b""
+            try:
+                await self._wait("reader", timeout)
+            except TimeoutError:
+                raise httpcore.ReadTimeout("timed out reading from upstream") from None
+            if not protocol.chunks:
+                return b""
+        chunks = protocol.chunks
+        if len(chunks) == 1 and len(chunks[0]) <= max_bytes:
+            data = chunks[0]
+            chunks.clear()
+        else:
+            joined = b"".join(chunks)
+            data, rest = joined[:max_bytes], joined[max_bytes:]
+            chunks.clear()
+            if rest:
+                chunks.append(rest)
+        protocol.size -= len(data)
+        if protocol.reading_paused and protocol.size <= READ_HIGH_WATER // 4:
+            protocol.reading_paused = False
+            if not protocol.eof:
+                self._transport.resume_reading()
+        return data
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        if not buffer:
+            return
+        protocol = self._protocol
+        if protocol.eof or self._transport.is_closing():
+            raise httpcore.WriteError("upstream connection closed")
+        self._transport.write(buffer)
+        if protocol.writing_paused:
+            try:
+                await self._wait("writer", timeout)
+            except TimeoutError:
+                raise httpcore.WriteTimeout("timed out writing to upstream") from None
+
+    async def aclose(self) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close at once, without waiting (safe in a cancelled task or a finally)."""
+        transport = self._transport
+        if not transport.is_closing():
+            # abort(): an unfinished response must not be drained, and a decode
+            # server aborts the request when its connection drops.
+            transport.abort()
+
+    def get_extra_info(self, info: str) -> Any:
+        if info == "is_readable":
+            # Data or EOF on an idle HTTP/1.1 connection means the server closed it.
+            return self._protocol.eof or bool(self._protocol.chunks)
+        if info == "ssl_object":
+            return self._transport.get_extra_info("ssl_object")
+        if info == "server_addr":
+            return self._transport.get_extra_info("peername")
+        if info == "client_addr":
+            return self._transport.get_extra_info("sockname")
+        if info == "socket":
+            return self._transport.get_extra_info("socket")
+        return None
+
+
+class AsyncioBackend(httpcore.AsyncNetworkBackend):
+    """Opens AsyncioStreams; TLS is negotiated in the same call when a context is given."""
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Any = None,
+        *,
+        ssl_context: ssl.SSLContext | None = None,
+        server_hostname: str | None = None,
+    ) -> AsyncioStream:
+        loop = asyncio.get_running_loop()
+        protocol = _StreamProtocol(loop)
+        connecting = loop.create_connection(
+            lambda: protocol, host, port,
+            ssl=ssl_context,
+            server_hostname=server_hostname if ssl_context is not None else None,
+            local_addr=(local_address, 0) if local_address else None,
+            family=socket.AF_UNSPEC,
+        )
+        try:
+            if timeout is None:
+                await connecting
+            else:
+                await asyncio.wait_for(connecting, timeout)
+        except asyncio.TimeoutError:
+            raise httpcore.ConnectTimeout(f"connect to {host}:{port} timed out") from None
+        except ssl.SSLError as exc:
+            raise httpcore.ConnectError(f"TLS with {host}:{port} failed: {exc}") from None
+        except OSError as exc:
+            raise httpcore.ConnectError(
+                f"connect to {host}:{port} failed: {exc.strerror or exc}") from None
+        return AsyncioStream(protocol)
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)

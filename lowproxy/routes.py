@@ -1,0 +1,32 @@
+"""Which handler serves a request: a pure function of method and path."""
+
+from __future__ import annotations
+
+HEALTH = "health"
+READY = "ready"
+METRICS = "metrics"
+ADMIN = "admin"
+GENERATION = "generation"
+PASSTHROUGH = "passthrough"
+
+ADMIN_SUFFIX = "/instances/add"
+HEALTH_PATHS = frozenset({"/health", "/healthz"})
+# /embeddings generates nothing: priming prefill for it would only waste a GPU,
+# so it goes straight to decode (the GCO proxy primed prefill for it too).
+GENERATION_SUFFIXES = ("/completions", "/chat/completions")
+
+
+def classify(method: bytes, path: str) -> str:
+    if path.endswith(ADMIN_SUFFIX):
+        return ADMIN  # whatever the method: the admin path is never forwarded
+    if method in (b"GET", b"HEAD"):
+        if path in HEALTH_PATHS:
+            return HEALTH
+        if path == "/readyz":
+            return READY
+        if path == "/metrics":
+            return METRICS
+        return PASSTHROUGH
+    if method == b"POST" and path.endswith(GENERATION_SUFFIXES):
+        return GENERATION
+    return PASSTHROUGH

@@ -1,0 +1,510 @@
+"""The HTTP/1.1 server: asyncio.start_server, one h11 connection per socket.
+
+One ClientConnection per socket runs request cycles in order (keep-alive and
+pipelining: a cycle finishes before the next request is parsed, as in uvicorn's
+h11 protocol). Each cycle reads the whole request body (bounded), hands a
+ClientRequest and a Responder to the handler, and ends the connection when the
+exchange cannot continue cleanly. Limits (head size, body size, head and idle
+timeouts, connection count, methods) are enforced here, before any handler
+runs, so bad input never reaches a backend.
+
+Two phases of error: before a response has started the client gets a status
+and a JSON body; after it has started the connection is aborted, so a cut
+response never looks complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any, Awaitable, Callable
+
+import h11
+
+log = logging.getLogger("lowproxy.server")
+
+READ_SIZE = 64 * 1024
+ALLOWED_METHODS = (b"GET", b"POST", b"HEAD", b"OPTIONS")
+_REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_header_bytes: int = 64 * 1024
+    max_body_bytes: int = 32 * 1024 * 1024
+    header_timeout: float = 30.0
+    keepalive_timeout: float = 75.0
+    max_connections: int = 10000
+
+
+class ClientGone(Exception):
+    """The client closed its connection or stopped accepting our bytes."""
+
+
+class AbortResponse(Exception):
+    """Raised by a handler to cut the response short: the connection closes with
+    what was sent so far (no final chunk), so the client sees a truncated body."""
+
+
+class ClientRequest:
+    __slots__ = ("method", "target", "path", "headers", "body", "http_version")
+
+    def __init__(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
+                 body: bytes, http_version: bytes) -> None:
+        self.method = method
+        self.target = target  # path and query exactly as received
+        path = target.split(b"?", 1)[0]
+        self.path = path.decode("latin-1")
+        self.headers = headers  # lowercased names, raw values, in order
+        self.body = body
+        self.http_version = http_version
+
+    def header(self, name: bytes) -> bytes | None:
+        for key, value in self.headers:
+            if key == name:
+                return value
+        return None
+
+
+def json_body(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+def error_body(status: int, message: str, kind: str) -> bytes:
+    return json_body({"error": {"message": message, "type": kind, "code": status}})
+
+
+def canned_response(status: int, body: bytes, extra: bytes = b"") -> bytes:
+    """A whole response written without h11, for sockets h11 can no longer serve."""
+    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+            b"connection: close\r\n%s\r\n" % (status, _REASONS.get(status, b""), len(body), extra)
+            ) + body
+
+
+class Responder:
+    """How a handler answers: start (status, headers), write chunks, end.
+
+    Framing is the server's: a ``content_length`` passed to ``start`` is kept and
+    enforced, otherwise h11 chunks (HTTP/1.1) or closes (HTTP/1.0) the body.
+    """
+
+    __slots__ = ("_conn", "started", "ended", "status", "bytes_out", "_head")
+
+    def __init__(self, conn: "ClientConnection", head: bool) -> None:
+        self._conn = conn
+        self._head = head
+        self.started = False
+        self.ended = False
+        self.status = 0
+        self.bytes_out = 0
+
+    async def start(self, status: int, headers: list[tuple[bytes, bytes]],
+                    content_length: int | None = None) -> None:
+        headers = list(headers)
+        if content_length is not None:
+            headers.append((b"content-length", str(content_length).encode()))
+        if self._conn.server.draining:
+            headers.append((b"connection", b"close"))
+        self.started = True
+        self.status = status
+        event = h11.Response(status_code=status, headers=headers,
+                             reason=_REASONS.get(status, b""))
+        await self._conn.send(self._conn.h11.send(event))
+
+    async def write(self, data: bytes) -> None:
+        if not data or self._head:
+            return
+        self.bytes_out += len(data)
+        await self._conn.send(self._conn.h11.send(h11.Data(data=data)))
+
+    async def end(self) -> None:
+        self.ended = True
+        await self._conn.send(self._conn.h11.send(h11.EndOfMessage()))
+
+    async def send_bytes(self, status: int, body: bytes,
+                         headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """A whole small response: one write, one drain."""
+        headers = [(b"content-type", b"application/json")] if headers is None else headers
+        headers.append((b"content-length", str(len(body)).encode()))
+        if self._conn.server.draining:
+            headers.append((b"connection", b"close"))
+        self.started = True
+        self.ended = True
+        self.status = status
+        if self._head:
+            body = b""
+        self.bytes_out += len(body)
+        conn = self._conn.h11
+        out = conn.send(h11.Response(status_code=status, headers=headers,
+                                     reason=_REASONS.get(status, b"")))
+        if body:
+            out += conn.send(h11.Data(data=body))
+        out += conn.send(h11.EndOfMessage())
+        await self._conn.send(out)
+
+    async def send_json(self, status: int, obj: Any,
+                        headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        extra = [(b"content-type", b"application/json")]
+        if headers:
+            extra.extend(headers)
+        await self.send_bytes(status, json_body(obj), extra)
+
+    def drop(self) -> None:
+        """Close the connection at once, with no (further) response bytes."""
+        self.ended = False
+        self._conn.gone = True
+        self._conn.abort()
+
+    def watch_client(self) -> None:
+        """Notice a client that hangs up while the handler waits (see ClientConnection)."""
+        self._conn.watch_client()
+
+    @property
+    def client_gone(self) -> bool:
+        return self._conn.gone
+
+
+Handler = Callable[[ClientRequest, Responder], Awaitable[None]]
+
+
+class ClientConnection:
+    """One client socket: the h11 state, its one timer, and its request cycles."""
+
+    def __init__(self, server: "HttpServer", reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.server = server
+        self.reader = reader
+        self.writer = writer
+        self.transport = writer.transport
+        self.h11 = h11.Connection(h11.SERVER,
+                                  max_incomplete_event_size=server.limits.max_header_bytes)
+        self.gone = False
+        self._peer_closed = False
+        self.busy = False  # a request is being handled (drain waits for it)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_kind = ""
+        self._watcher: asyncio.Task[None] | None = None
+        self._pending: list[bytes] = []
+        self._task: asyncio.Task[Any] | None = None
+
+    # -- the one timer: idle keep-alive, head arrival, body inactivity
+
+    def _arm(self, kind: str, seconds: float) -> None:
+        self._disarm()
+        self._timer_kind = kind
+        self._timer = asyncio.get_running_loop().call_later(seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+            self._timer_kind = ""
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self._timer_kind in ("head", "body") and not self.transport.is_closing():
+            # RFC 9110 15.5.9: a 408 tells the client why before the close.
+            self.transport.write(canned_response(
+                408, error_body(408, "request not received in time", "request_timeout")))
+        self.close()
+
+    def close(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.transport.abort()
+
+    # -- I/O
+
+    async def send(self, data: bytes | None) -> None:
+        if not data:
+            return
+        if self.transport.is_closing():
+            raise ClientGone()
+        self.writer.write(data)
+        try:
+            await self.writer.drain()
+        except (ConnectionError, RuntimeError):
+            raise ClientGone() from None
+
+    async def _read(self) -> bytes:
+        watcher = self._watcher
+        if watcher is not None:
+            # The watcher owns the pending read until it returns; take its bytes.
+            self._watcher = None
+            await watcher
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            return data
+        if self.gone or self._peer_closed:
+            return b""
+        try:
+            return await self.reader.read(READ_SIZE)
+        except (ConnectionError, OSError):
+            return b""
+
+    def watch_client(self) -> None:
+        """While a handler waits on a backend, read the socket to notice a hang-up.
+
+        A hang-up cancels the handler's task, which closes its upstream
+        exchange at once (a decode server aborts the request when its
+        connection drops). Bytes of a pipelined next request are kept for the
+        next cycle, up to the head limit; past that reading stops and TCP
+        pushes back. The watcher keeps its read pending after the cycle: the
+        next read awaits it rather than racing it.
+        """
+        if self._watcher is None and not self.gone:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        size = 0
+        while True:
+            try:
+                data = await self.reader.read(READ_SIZE)
+            except (ConnectionError, OSError):
+                data = b""
+            if not data:
+                self._peer_closed = True
+                if self.busy and self._task is not None:
+                    # Mid-request: the client left. Between requests, an EOF only
+                    # means no more requests; what we wrote still gets flushed.
+                    self.gone = True
+                    self._task.cancel()
+                return
+            self._pending.append(data)
+            size += len(data)
+            if not self.busy or size > self.server.limits.max_header_bytes:
+                return
+
+    def _stop_watching(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and not watcher.done():
+            watcher.cancel()
+
+    async def _next_event(self) -> Any:
+        conn = self.h11
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            data = await self._read()
+            if data and self._timer_kind == "idle":
+                self._arm("head", self.server.limits.header_timeout)
+            elif data and self._timer_kind == "body":
+                self._arm("body", self.server.limits.header_timeout)
+            conn.receive_data(data)
+
+    # -- request cycles
+
+    async def run(self) -> None:
+        self._task = asyncio.current_task()
+        limits = self.server.limits
+        first = True
+        try:
+            while not self.transport.is_closing():
+                if self.server.draining and not self.h11.trailing_data[0] and not self._pending:
+                    break
+                if first:
+                    self._arm("head", limits.header_timeout)
+                else:
+                    self._arm("idle", limits.keepalive_timeout)
+                first = False
+                if not await self._cycle():
+                    break
+                self.h11.start_next_cycle()
+        except ClientGone:
+            pass
+        except asyncio.CancelledError:
+            if not self.gone:
+                raise
+        except Exception:  # pragma: no cover - a bug; keep serving others
+            log.exception("connection failed")
+        finally:
+            self._disarm()
+            self._stop_watching()
+            self.abort() if self.gone else self.close()
+
+    async def _cycle(self) -> bool:
+        """One request and its response; False when the connection must end."""
+        conn = self.h11
+        limits = self.server.limits
+        try:
+            event = await self._next_event()
+            if isinstance(event, h11.ConnectionClosed):
+                return False
+            assert isinstance(event, h11.Request), event
+            if event.http_version not in (b"1.0", b"1.1"):
+                await self._reject(505, "HTTP version not supported", "bad_request")
+                return False
+            if event.method not in ALLOWED_METHODS:
+                await self._reject(405, "method not allowed", "method_not_allowed",
+                                   [(b"allow", b", ".join(ALLOWED_METHODS))])
+                return False
+            declared = None
+            for name, value in event.headers:
+                if name == b"content-length":
+                    declared = int(value)
+            if declared is not None and declared > limits.max_body_bytes:
+                await self._reject(413, "request body too large", "request_too_large")
+                return False
+            if conn.client_is_waiting_for_100_continue:
+                await self.send(conn.send(h11.InformationalResponse(status_code=100,
+                                                                     headers=[])))
+            self._arm("body", limits.header_timeout)
+            parts: list[bytes] = []
+            size = 0
+            while True:
+                body_event = await self._next_event()
+                if isinstance(body_event, h11.Data):
+                    size += len(body_event.data)
+                    if size > limits.max_body_bytes:
+                        await self._reject(413, "request body too large", "request_too_large")
+                        return False
+                    parts.append(body_event.data)
+                elif isinstance(body_event, h11.EndOfMessage):
+                    break
+                else:  # ConnectionClosed mid-body
+                    return False
+        except h11.RemoteProtocolError as exc:
+            status = exc.error_status_hint
+            message = str(exc) or "malformed request"
+            if status == 431:
+                await self._reject(431, "request header fields too large", "header_too_large")
+            else:
+                await self._reject(status, f"malformed request: {message}", "bad_request")
+            return False
+        self._disarm()
+        body = parts[0] if len(parts) == 1 else b"".join(parts)
+        request = ClientRequest(event.method, event.target, list(event.headers), body,
+                                event.http_version)
+        responder = Responder(self, head=event.method == b"HEAD")
+        self.busy = True
+        try:
+            await self.server.handler(request, responder)
+        except ClientGone:
+            raise
+        except AbortResponse:
+            # The handler logged why; a started response is cut, never completed.
+            if not responder.started:
+                await responder.send_bytes(
+                    502, error_body(502, "bad gateway", "upstream_error"))
+            return False
+        except Exception:
+            log.exception("handler failed on %s %s", event.method.decode(), request.path)
+            if not responder.started:
+                await responder.send_bytes(
+                    500, error_body(500, "internal proxy error", "internal_error"))
+            else:
+                return False
+        finally:
+            self.busy = False
+        if not responder.ended:
+            return False
+        if self.gone or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+            return False
+        if self._pending:
+            conn.receive_data(b"".join(self._pending))
+            self._pending.clear()
+        return True
+
+    async def _reject(self, status: int, message: str, kind: str,
+                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
+        """Answer a request we will not serve, then the connection closes."""
+        body = error_body(status, message, kind)
+        extra = b"".join(name + b": " + value + b"\r\n" for name, value in headers or ())
+        if self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            try:
+                response = h11.Response(status_code=status, reason=_REASONS.get(status, b""),
+                                        headers=[(b"content-type", b"application/json"),
+                                                 (b"content-length", str(len(body)).encode()),
+                                                 (b"connection", b"close"),
+                                                 *(headers or ())])
+                data = self.h11.send(response) + self.h11.send(h11.Data(data=body))
+                data += self.h11.send(h11.EndOfMessage())
+            except h11.LocalProtocolError:
+                data = canned_response(status, body, extra)
+        else:
+            data = canned_response(status, body, extra)
+        try:
+            await self.send(data)
+        except ClientGone:
+            pass
+
+
+class HttpServer:
+    """Listens, counts connections, and drains on shutdown."""
+
+    def __init__(self, handler: Handler, limits: Limits | None = None,
+                 on_connections: Callable[[int], None] | None = None) -> None:
+        self.handler = handler
+        self.limits = limits or Limits()
+        self.draining = False
+        self.connections: set[ClientConnection] = set()
+        self._servers: list[asyncio.AbstractServer] = []
+        self._on_connections = on_connections
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    async def listen(self, host: str | None, port: int, *, reuse_port: bool = False,
+                     sock: socket.socket | None = None) -> asyncio.AbstractServer:
+        if sock is not None:
+            server = await asyncio.start_server(self._accept, sock=sock, limit=READ_SIZE,
+                                                backlog=2048)
+        else:
+            server = await asyncio.start_server(self._accept, host, port, limit=READ_SIZE,
+                                                reuse_port=reuse_port or None, backlog=2048)
+        self._servers.append(server)
+        return server
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.getsockname()[1] for srv in self._servers for s in srv.sockets]
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if len(self.connections) >= self.limits.max_connections or self.draining:
+            status, message = (503, "too many connections") if not self.draining else (
+                503, "shutting down")
+            writer.write(canned_response(status, error_body(status, message, "unavailable")))
+            writer.close()
+            return
+        connection = ClientConnection(self, reader, writer)
+        self.connections.add(connection)
+        if self._on_connections:
+            self._on_connections(1)
+        try:
+            await connection.run()
+        finally:
+            self.connections.discard(connection)
+            if self._on_connections:
+                self._on_connections(-1)
+
+    def stop_accepting(self) -> None:
+        for server in self._servers:
+            server.close()
+
+    async def drain(self, seconds: float) -> None:
+        """Stop accepting, let in-flight exchanges finish for ``seconds``, close the rest."""
+        self.draining = True
+        self.stop_accepting()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + seconds
+        while True:
+            for connection in list(self.connections):
+                if not connection.busy:
+                    connection.close()
+            if not self.connections or loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        for connection in list(self.connections):
+            connection.abort()
+        for server in self._servers:
+            server.close()
+            try:
+                await asyncio.wait_for(server.wait_closed(), 1.0)
+            except asyncio.TimeoutError:  # pragma: no cover
+                pass

@@ -1,0 +1,73 @@
+"""Upstream TLS trust: one ssl context, rebuilt only when the CA file changes.
+
+With a CA file the proxy trusts exactly that bundle, TLS 1.2 or newer, with
+hostname verification on. Kubernetes rotates a mounted Secret by swapping a
+symlink, which changes the resolved file's identity (inode, mtime, size): the
+context is rebuilt on the first connection after that, and connections pooled
+under the old trust are retired (see ``generation``). A bundle that breaks
+after start fails closed: TrustUnavailable, never the system store.
+"""
+
+from __future__ import annotations
+
+import os
+import ssl
+
+
+class TrustUnavailable(Exception):
+    """The configured CA bundle cannot be read or used."""
+
+
+def _new_context(cafile: str | None) -> ssl.SSLContext:
+    context = ssl.create_default_context(cafile=cafile)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    # HTTP/1.1 only: the upstream side speaks h11.
+    context.set_alpn_protocols(["http/1.1"])
+    return context
+
+
+class TrustStore:
+    """Hands out the current client ssl context for https:// backends."""
+
+    def __init__(self, ca_file: str) -> None:
+        self.ca_file = ca_file
+        self.generation = 0
+        self._identity: tuple[int, int, int] | None = None
+        self._context: ssl.SSLContext | None = None
+        if not ca_file:
+            self._context = _new_context(None)
+
+    def context(self) -> ssl.SSLContext:
+        """The context to open a TLS connection with; raises TrustUnavailable.
+
+        Costs one stat() per new connection when a CA file is set; pooled
+        connections do not call it.
+        """
+        if not self.ca_file:
+            assert self._context is not None
+            return self._context
+        try:
+            info = os.stat(self.ca_file)
+        except OSError as exc:
+            raise TrustUnavailable(f"CA file {self.ca_file}: {exc.strerror or exc}") from None
+        identity = (info.st_ino, info.st_mtime_ns, info.st_size)
+        if identity != self._identity or self._context is None:
+            try:
+                context = _new_context(self.ca_file)
+            except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+                self._context = None
+                self._identity = None
+                self.generation += 1
+                raise TrustUnavailable(f"CA file {self.ca_file}: {exc}") from None
+            self._identity = identity
+            self._context = context
+            self.generation += 1
+        return self._context
+
+    def current_generation(self) -> int:
+        """The trust generation after re-checking the file (stat only)."""
+        try:
+            self.context()
+        except TrustUnavailable:
+            pass
+        return self.generation

@@ -1,0 +1,222 @@
+"""Test plumbing: an HTTP client over raw sockets, an in-process proxy, a daemon process.
+
+Everything talks over 127.0.0.1 sockets; nothing is mocked below HTTP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, AsyncIterator, Iterable
+
+import h11
+
+from lowproxy.config import Config, parse_endpoint
+from lowproxy.daemon import limits_of
+from lowproxy.demo import DemoBackend, start_pair
+from lowproxy.proxy import Proxy
+from lowproxy.server import HttpServer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@dataclasses.dataclass
+class Reply:
+    status: int
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    complete: bool = True  # False: the connection ended before the body did
+
+    def header(self, name: str) -> bytes | None:
+        key = name.lower().encode()
+        for header, value in self.headers:
+            if header.lower() == key:
+                return value
+        return None
+
+    def header_values(self, name: str) -> list[bytes]:
+        key = name.lower().encode()
+        return [value for header, value in self.headers if header.lower() == key]
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+async def request(port: int, method: str, target: str, body: Any = None, *,
+                  headers: Iterable[tuple[str | bytes, str | bytes]] = (),
+                  raw_body: bytes | None = None, timeout: float = 10.0) -> Reply:
+    """One request on a fresh connection, read to the end (or to the connection's end)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        return await asyncio.wait_for(
+            exchange(reader, writer, method, target, body, headers=headers, raw_body=raw_body),
+            timeout)
+    finally:
+        writer.close()
+
+
+async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str,
+                   target: str, body: Any = None, *,
+                   headers: Iterable[tuple[str | bytes, str | bytes]] = (),
+                   raw_body: bytes | None = None) -> Reply:
+    conn = h11.Connection(h11.CLIENT)
+    if raw_body is None and body is not None:
+        raw_body = json.dumps(body).encode()
+    wire = [(b"host", b"127.0.0.1")]
+    wire += [(_b(k), _b(v)) for k, v in headers]
+    if raw_body is not None:
+        wire.append((b"content-length", str(len(raw_body)).encode()))
+        if not any(k.lower() == b"content-type" for k, _ in wire):
+            wire.append((b"content-type", b"application/json"))
+    data = conn.send(h11.Request(method=method, target=target, headers=wire))
+    if raw_body:
+        data += conn.send(h11.Data(data=raw_body))
+    data += conn.send(h11.EndOfMessage())
+    writer.write(data)
+    await writer.drain()
+    status, reply_headers, parts, complete = 0, [], [], False
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            chunk = await reader.read(65536)
+            try:
+                conn.receive_data(chunk)
+            except h11.RemoteProtocolError:
+                break
+            if not chunk and conn.their_state is h11.SEND_BODY:
+                break
+            continue
+        if isinstance(event, h11.Response):
+            status, reply_headers = event.status_code, list(event.headers.raw_items())
+        elif isinstance(event, h11.Data):
+            parts.append(bytes(event.data))
+        elif isinstance(event, h11.EndOfMessage):
+            complete = True
+            break
+        elif isinstance(event, h11.ConnectionClosed):
+            break
+    return Reply(status, reply_headers, b"".join(parts), complete)
+
+
+def _b(value: str | bytes) -> bytes:
+    return value if isinstance(value, bytes) else value.encode()
+
+
+def chat(**extra: Any) -> dict[str, Any]:
+    body = {"model": "demo-model", "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 4}
+    body.update(extra)
+    return body
+
+
+class RunningProxy:
+    def __init__(self, proxy: Proxy, server: HttpServer) -> None:
+        self.proxy = proxy
+        self.server = server
+        self.port = server.ports[0]
+
+    async def request(self, method: str, target: str, body: Any = None, **kw: Any) -> Reply:
+        return await request(self.port, method, target, body, **kw)
+
+
+def config_for(prefill: Iterable[str] | str = (), decode: Iterable[str] | str = (),
+               **overrides: Any) -> Config:
+    prefill = [prefill] if isinstance(prefill, str) else list(prefill)
+    decode = [decode] if isinstance(decode, str) else list(decode)
+    overrides.setdefault("host", "127.0.0.1")
+    overrides.setdefault("port", 0)
+    return Config(prefill=tuple(parse_endpoint(u) for u in prefill),
+                  decode=tuple(parse_endpoint(u) for u in decode), **overrides)
+
+
+@contextlib.asynccontextmanager
+async def running_proxy(config: Config, resolver: Any = None) -> AsyncIterator[RunningProxy]:
+    """The proxy in this process, on an ephemeral port of 127.0.0.1."""
+    proxy = Proxy(config, resolver=resolver)
+    await proxy.start()
+    server = HttpServer(proxy.handle, limits_of(config),
+                        on_connections=lambda n: proxy.metrics.client_connections.add(n))
+    await server.listen("127.0.0.1", 0)
+    try:
+        yield RunningProxy(proxy, server)
+    finally:
+        await server.drain(0)
+        await proxy.close()
+
+
+@contextlib.asynccontextmanager
+async def pd_setup(kv_protocol: str = "relay", ranks: int = 1, **overrides: Any
+                   ) -> AsyncIterator[tuple[RunningProxy, DemoBackend, DemoBackend]]:
+    """Demo prefill and decode backends and a proxy in front of them."""
+    prefill, decode = await start_pair(ranks=ranks)
+    prefill_url = f"{prefill.url}#bootstrap_port={prefill.bootstrap_port}"
+    overrides.setdefault("mooncake_bootstrap_port", prefill.bootstrap_port)
+    try:
+        async with running_proxy(config_for(prefill_url, decode.url, kv_protocol=kv_protocol,
+                                            **overrides)) as running:
+            yield running, prefill, decode
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Daemon:
+    """``python -m lowproxy`` as a child process, for start-up, signals and exit codes."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        full_env = {k: v for k, v in os.environ.items()
+                    if not k.startswith(("PD_PROXY_", "ADMIN_API_KEY"))}
+        full_env.update(env or {})
+        full_env.setdefault("PYTHONPATH", ROOT)
+        self.proc = subprocess.Popen([sys.executable, "-m", "lowproxy", *args], env=full_env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+        self.port = 0
+        self.lines: list[str] = []
+
+    def wait_listening(self, timeout: float = 15.0) -> int:
+        deadline = time.monotonic() + timeout
+        assert self.proc.stderr is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline().decode(errors="replace")
+            if not line:
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"daemon exited {self.proc.returncode}: {self.lines}")
+                continue
+            self.lines.append(line)
+            match = re.search(r"listening on \S+:(\d+)", line)
+            if match:
+                self.port = int(match.group(1))
+                return self.port
+        raise AssertionError(f"daemon did not start: {self.lines}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 30.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait()
+
+    def output(self) -> str:
+        assert self.proc.stderr is not None
+        if self.proc.poll() is None:
+            return "".join(self.lines)
+        return "".join(self.lines) + self.proc.stderr.read().decode(errors="replace")
