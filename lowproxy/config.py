@@ -313,6 +313,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting("trace", "PD_PROXY_TRACE", "--trace", _bool, "0",
             "start a W3C trace id for requests that carry none"),
+    Setting("otel", "PD_PROXY_OTEL", "--otel", _bool, "0",
+            "emit OpenTelemetry spans (llm-d attribute names) when opentelemetry-api is "
+            "installed"),
     Setting("loop", "PD_PROXY_LOOP", "--loop", _choice("auto", "asyncio", "uvloop"), "auto",
             "event loop: uvloop when installed (auto), or force one"),
     Setting("workers", "PD_PROXY_WORKERS", "--workers", _int_in(1, 256), "1",
@@ -354,6 +357,7 @@ class Config:
     drain_seconds: float = 25.0
     metrics_port: int = 0
     trace: bool = False
+    otel: bool = False
     loop: str = "auto"
     workers: int = 1
     demo: bool = False

@@ -19,6 +19,7 @@ from typing import Any
 from . import __version__, logs
 from .config import Config, ConfigError, load_config, parse_endpoint
 from .proxy import Proxy
+from .routes import HEALTH, METRICS, READY, classify
 from .server import ClientRequest, HttpServer, Limits, Responder
 from .tls import TrustUnavailable
 
@@ -31,13 +32,19 @@ def version_text() -> str:
 
     parts = [f"lowproxy {__version__}", f"h11 {h11.__version__}",
              f"httpcore {httpcore.__version__}"]
-    try:
-        import anyio  # httpcore's asyncio extra
+    # anyio (httpcore's asyncio extra) has no __version__; the distribution
+    # metadata has it, also inside the single-file build (lowproxy.pack).
+    from importlib import metadata
 
-        parts.append(f"anyio {getattr(anyio, '__version__', '')}".strip())
-    except ImportError:
+    try:
+        parts.append(f"anyio {metadata.version('anyio')}")
+    except metadata.PackageNotFoundError:
         pass
     parts.append(f"python {sys.version.split()[0]}")
+    import zipimport
+
+    if isinstance(__loader__, zipimport.zipimporter):
+        parts.append("single file")  # running from the lowproxy.pack zipapp
     return ", ".join(parts)
 
 
@@ -102,7 +109,7 @@ async def serve(config: Config, sock: socket.socket | None = None,
         loop.add_signal_handler(signum, on_signal, signum)
     try:
         await stop.wait()
-        proxy.draining = True
+        proxy.draining = True  # /readyz answers 503 from here on
         await server.drain(config.drain_seconds)
         if metrics_server is not None:
             await metrics_server.drain(0)
@@ -118,9 +125,11 @@ async def serve(config: Config, sock: socket.socket | None = None,
 
 
 def _metrics_only(proxy: Proxy) -> Any:
+    """The metrics listener: /metrics and the probes, nothing that reaches a backend."""
     async def handle(request: ClientRequest, responder: Responder) -> None:
-        if request.path == "/metrics" and request.method in (b"GET", b"HEAD"):
-            await proxy.serve_metrics(responder)
+        if request.method in (b"GET", b"HEAD") and classify(
+                request.method, request.path) in (HEALTH, READY, METRICS):
+            await proxy.handle(request, responder)
         else:
             await responder.send_bytes(404, b'{"error":"not found"}')
     return handle

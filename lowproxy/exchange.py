@@ -70,8 +70,9 @@ class Exchange:
     """What every stage needs to know about one client request."""
 
     __slots__ = ("request", "responder", "request_id", "trace_id", "upstream_headers",
-                 "started", "route", "handshake", "prefill_ms", "first_byte_ms",
-                 "decode_backend", "prefill_backend", "wants_stream")
+                 "started", "started_ns", "route", "handshake", "prefill_ms", "first_byte_ms",
+                 "decode_backend", "prefill_backend", "wants_stream", "decode_started",
+                 "span")
 
     def __init__(self, request: ClientRequest, responder: Responder, route: str,
                  request_id: str, upstream_headers: list[tuple[bytes, bytes]],
@@ -83,6 +84,9 @@ class Exchange:
         self.trace_id = trace_id
         self.upstream_headers = upstream_headers
         self.started = time.perf_counter()
+        self.started_ns = time.time_ns()
+        self.decode_started: float | None = None
+        self.span: Any = None  # the OpenTelemetry server span, when tracing is on
         self.handshake: str | None = None
         self.prefill_ms: float | None = None
         self.first_byte_ms: float | None = None
@@ -105,6 +109,8 @@ async def open_decode(proxy: "Proxy", exchange: Exchange, method: bytes, target:
     tried (nothing reached them, so nothing runs twice). Raise NoDecodeBackend
     when none is left, UpstreamError for a decode that failed after accepting.
     """
+    if exchange.decode_started is None:
+        exchange.decode_started = time.perf_counter()
     tried: tuple[Endpoint, ...] = ()
     last_error = "no decode backend configured"
     while True:
@@ -263,11 +269,13 @@ async def prefill_leg(proxy: "Proxy", exchange: Exchange, endpoint: Endpoint, ta
     started = time.perf_counter()
     exchange.prefill_backend = endpoint.label
     result: PrefillResult
+    status = None
     try:
         async with deadline(proxy.config.prefill_timeout):
             response = await proxy.upstream.request(endpoint, b"POST", target,
                                                     exchange.upstream_headers, body,
                                                     extra_headers=extra_headers)
+            status = response.status
             try:
                 raw = await response.read(MAX_PREFILL_ANSWER_BYTES)
             finally:
@@ -296,6 +304,9 @@ async def prefill_leg(proxy: "Proxy", exchange: Exchange, endpoint: Endpoint, ta
     exchange.prefill_ms = elapsed * 1000.0
     proxy.metrics.prefill_duration.observe(elapsed, handshake)
     proxy.metrics.prefill_legs.inc(handshake, result.outcome)
+    if exchange.span is not None:
+        proxy.tracing.record_prefill(exchange, endpoint.label, started, status, result.ok,
+                                     concurrent=not want_kv)
     if not result.ok:
         proxy.bootstrap.forget(endpoint)
         logs.warn(log, f"prefill leg failed ({result.outcome}): {result.detail}",

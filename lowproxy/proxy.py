@@ -29,6 +29,7 @@ from .metrics import Metrics
 from .routes import ADMIN, GENERATION, HEALTH, METRICS, PASSTHROUGH, READY, classify
 from .server import ClientRequest, Responder
 from .tls import TrustStore
+from .tracing import Tracing
 from .upstream import Endpoint, Resolver, Upstream, system_resolver
 
 log = logging.getLogger("lowproxy")
@@ -52,6 +53,7 @@ class Proxy:
         self.bootstrap = BootstrapCache(self.upstream, config.mooncake_bootstrap_port,
                                         on_query=self._bootstrap_observed)
         self.handshake = HANDSHAKES[config.kv_protocol]
+        self.tracing = Tracing.create(config.otel)
         self.resolver = resolver or system_resolver
         self.draining = False
         self._background: set[asyncio.Task[Any]] = set()
@@ -121,6 +123,12 @@ class Proxy:
         if route == METRICS:
             await self.serve_metrics(responder)
             return
+        if self.draining:
+            # Probes above are still answered; new work goes to another replica.
+            await responder.send_json(503, {"error": {"message": "shutting down",
+                                                      "type": "unavailable"}})
+            self.metrics.requests.inc(route, "503")
+            return
         exchange = self._exchange(request, responder, route)
         self.metrics.in_flight.add(1)
         try:
@@ -142,20 +150,28 @@ class Proxy:
             upstream_headers.append((b"x-request-id", request_id))
         trace_id = None
         traceparent = request.header(b"traceparent")
-        if traceparent is not None:
-            upstream_headers.append((b"traceparent", traceparent))
-            tracestate = request.header(b"tracestate")
-            if tracestate is not None:
-                upstream_headers.append((b"tracestate", tracestate))
+        tracestate = request.header(b"tracestate")
+        span = None
+        if self.tracing is not None:
+            span = self.tracing.server_span(traceparent, tracestate,
+                                            request.method.decode("latin-1"), request.path,
+                                            time.time_ns())
+            traceparent, trace_id = self.tracing.traceparent_of(span)
+        elif traceparent is not None:
             parts = traceparent.split(b"-")
             if len(parts) >= 4:
                 trace_id = parts[1].decode("latin-1")
         elif self.config.trace:
             trace_id = os.urandom(16).hex()
-            upstream_headers.append(
-                (b"traceparent", f"00-{trace_id}-{os.urandom(8).hex()}-01".encode()))
-        return Exchange(request, responder, route, request_id.decode("latin-1"),
-                        upstream_headers, trace_id)
+            traceparent = f"00-{trace_id}-{os.urandom(8).hex()}-01".encode()
+        if traceparent is not None:
+            upstream_headers.append((b"traceparent", traceparent))
+            if tracestate is not None:
+                upstream_headers.append((b"tracestate", tracestate))
+        exchange = Exchange(request, responder, route, request_id.decode("latin-1"),
+                            upstream_headers, trace_id)
+        exchange.span = span
+        return exchange
 
     def _finished(self, exchange: Exchange) -> None:
         responder = exchange.responder
@@ -163,6 +179,9 @@ class Proxy:
         elapsed_ms = exchange.elapsed_ms()
         self.metrics.requests.inc(exchange.route, status)
         self.metrics.request_duration.observe(elapsed_ms / 1000.0, exchange.route)
+        if exchange.span is not None:
+            self.tracing.end_request(exchange, int(status),
+                                     concurrent=exchange.handshake in ("mooncake", "sglang"))
         logs.access({
             "request_id": exchange.request_id,
             "method": exchange.request.method.decode("latin-1"),

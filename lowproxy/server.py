@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import socket
+import ssl as ssl_module
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Awaitable, Callable
@@ -189,6 +190,7 @@ class ClientConnection:
         self._timer_kind = ""
         self._watcher: asyncio.Task[None] | None = None
         self._pending: list[bytes] = []
+        self._head_bytes = 0
         self._task: asyncio.Task[Any] | None = None
 
     # -- the one timer: idle keep-alive, head arrival, body inactivity
@@ -294,6 +296,7 @@ class ClientConnection:
             if event is not h11.NEED_DATA:
                 return event
             data = await self._read()
+            self._head_bytes += len(data)
             if data and self._timer_kind == "idle":
                 self._arm("head", self.server.limits.header_timeout)
             elif data and self._timer_kind == "body":
@@ -308,8 +311,6 @@ class ClientConnection:
         first = True
         try:
             while not self.transport.is_closing():
-                if self.server.draining and not self.h11.trailing_data[0] and not self._pending:
-                    break
                 if first:
                     self._arm("head", limits.header_timeout)
                 else:
@@ -334,6 +335,7 @@ class ClientConnection:
         """One request and its response; False when the connection must end."""
         conn = self.h11
         limits = self.server.limits
+        self._head_bytes = len(conn.trailing_data[0])
         try:
             event = await self._next_event()
             if isinstance(event, h11.ConnectionClosed):
@@ -346,16 +348,29 @@ class ClientConnection:
                 await self._reject(405, "method not allowed", "method_not_allowed",
                                    [(b"allow", b", ".join(ALLOWED_METHODS))])
                 return False
+            # h11 parses a head that arrived whole whatever its size; its own
+            # limit only bounds a head still incomplete. Measure what it consumed.
+            if self._head_bytes - len(conn.trailing_data[0]) > limits.max_header_bytes:
+                await self._reject(431, "request header fields too large", "header_too_large")
+                return False
             declared = None
+            chunked = False
             for name, value in event.headers:
                 if name == b"content-length":
                     declared = int(value)
+                elif name == b"transfer-encoding":
+                    chunked = True
+            if declared is not None and chunked:
+                # RFC 9112 6.3: a request smuggling vector; h11 would take chunked.
+                await self._reject(400, "Content-Length with Transfer-Encoding",
+                                   "bad_request")
+                return False
             if declared is not None and declared > limits.max_body_bytes:
                 await self._reject(413, "request body too large", "request_too_large")
                 return False
             if conn.client_is_waiting_for_100_continue:
-                await self.send(conn.send(h11.InformationalResponse(status_code=100,
-                                                                     headers=[])))
+                await self.send(conn.send(h11.InformationalResponse(
+                    status_code=100, headers=[], reason=b"Continue")))
             self._arm("body", limits.header_timeout)
             parts: list[bytes] = []
             size = 0
@@ -451,13 +466,21 @@ class HttpServer:
         self._tasks: set[asyncio.Task[Any]] = set()
 
     async def listen(self, host: str | None, port: int, *, reuse_port: bool = False,
-                     sock: socket.socket | None = None) -> asyncio.AbstractServer:
+                     sock: socket.socket | None = None,
+                     ssl: "ssl_module.SSLContext | None" = None) -> asyncio.AbstractServer:
+        """Listen on host:port (or an already bound ``sock``); TLS when ``ssl`` is given.
+
+        The proxy itself serves plain HTTP behind a TLS sidecar; ``ssl`` is for
+        test and demo backends that stand in for an https:// vLLM.
+        """
+        self.draining = False  # listening (again) means serving
         if sock is not None:
             server = await asyncio.start_server(self._accept, sock=sock, limit=READ_SIZE,
-                                                backlog=2048)
+                                                backlog=2048, ssl=ssl)
         else:
             server = await asyncio.start_server(self._accept, host, port, limit=READ_SIZE,
-                                                reuse_port=reuse_port or None, backlog=2048)
+                                                reuse_port=reuse_port or None, backlog=2048,
+                                                ssl=ssl)
         self._servers.append(server)
         return server
 
@@ -488,22 +511,25 @@ class HttpServer:
             server.close()
 
     async def drain(self, seconds: float) -> None:
-        """Stop accepting, let in-flight exchanges finish for ``seconds``, close the rest."""
+        """Stop accepting; let requests in flight finish for ``seconds``; close the rest.
+
+        Idle keep-alive connections stay open while requests are in flight, so a
+        client (or a probe) on one can still be told we are draining: every
+        response now carries ``connection: close``, and the handler may refuse
+        new work. Once nothing is in flight, or at the deadline, all close.
+        """
         self.draining = True
         self.stop_accepting()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + seconds
-        while True:
-            for connection in list(self.connections):
-                if not connection.busy:
-                    connection.close()
-            if not self.connections or loop.time() >= deadline:
-                break
+        while any(c.busy for c in self.connections) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for connection in list(self.connections):
-            connection.abort()
+            if connection.busy:
+                connection.abort()
+            else:
+                connection.close()
         for server in self._servers:
-            server.close()
             try:
                 await asyncio.wait_for(server.wait_closed(), 1.0)
             except asyncio.TimeoutError:  # pragma: no cover

@@ -220,3 +220,67 @@ class Daemon:
         if self.proc.poll() is None:
             return "".join(self.lines)
         return "".join(self.lines) + self.proc.stderr.read().decode(errors="replace")
+
+
+async def wait_until(predicate: Any, timeout: float = 5.0, what: str = "condition") -> None:
+    """Poll ``predicate()`` until true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+# -- scripted and TLS backends (tests of headers, relay, TLS)
+
+
+class ScriptedBackend:
+    """A backend on lowproxy's HttpServer whose answer is the test's own coroutine.
+
+    ``answer(request, responder)`` writes the response; every request is recorded in
+    ``received`` first. ``hung_up`` counts requests whose caller closed the connection
+    while ``answer`` was still running (the backend watches its client as vLLM does).
+    """
+
+    def __init__(self, answer: Any = None) -> None:
+        from lowproxy.demo import Received
+
+        self._received_type = Received
+        self.answer = answer or _echo_answer
+        self.received: list[Any] = []
+        self.hung_up = 0
+        self.server = HttpServer(self._handle)
+        self.port = 0
+
+    async def start(self, ssl: Any = None, host: str = "127.0.0.1") -> "ScriptedBackend":
+        await self.server.listen(host, 0, ssl=ssl)
+        self.port = self.server.ports[0]
+        return self
+
+    def url(self, scheme: str = "http", host: str = "127.0.0.1") -> str:
+        return f"{scheme}://{host}:{self.port}"
+
+    async def close(self) -> None:
+        await self.server.drain(0)
+
+    async def _handle(self, request: Any, responder: Any) -> None:
+        try:
+            body = json.loads(request.body) if request.body else None
+        except ValueError:
+            body = None
+        self.received.append(self._received_type(
+            request.method.decode(), request.path, request.target.decode("latin-1"),
+            request.headers, body, request.body))
+        responder.watch_client()
+        try:
+            await self.answer(request, responder)
+        except asyncio.CancelledError:
+            if responder.client_gone:
+                self.hung_up += 1
+            raise
+
+
+async def _echo_answer(request: Any, responder: Any) -> None:
+    await responder.send_json(200, {"path": request.path,
+                                    "target": request.target.decode("latin-1")})
+
