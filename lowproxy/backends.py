@@ -150,6 +150,9 @@ def split_host_port(text: str) -> tuple[str, int | None]:
         host, port_text = text, ""
     if not port_text:
         return host, None
+    # ASCII digits only: int() would also take "+80", "8_0" and non-ASCII digits.
+    if not (port_text.isascii() and port_text.isdigit()):
+        raise ValueError(f"{port_text!r} is not a port number")
     port = int(port_text)
     if not 0 < port < 65536:
         raise ValueError(f"port {port} out of range")

@@ -157,10 +157,14 @@ def _endpoints(text: str) -> tuple[EndpointSpec, ...]:
 
 def _allow_list(text: str) -> tuple[str, ...]:
     """Hosts, host:port pairs and CIDRs; validated here, matched in routing.allow."""
+    from .backends import split_host_port  # backends imports this module
+
     entries = tuple(item.strip().lower() for item in text.split(",") if item.strip())
     for entry in entries:
         if "/" in entry:
             ipaddress.ip_network(entry, strict=False)
+        else:  # a bad host:port must stop the start, not the first request
+            split_host_port(entry)
     return entries
 
 

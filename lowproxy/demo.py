@@ -53,6 +53,15 @@ class KvRegistry:
         future = self._ready.get(key)
         return future is not None and future.done()
 
+    def take(self, key: str) -> bool:
+        """Whether the KV of ``key`` was computed; a decode pulls it once, so forget it
+        (a long benchmark or --demo run would otherwise keep every key)."""
+        future = self._ready.get(key)
+        if future is None or not future.done():
+            return False
+        del self._ready[key]
+        return True
+
     async def wait(self, key: str, timeout: float | None) -> str:
         future = self._future(key)
         try:
@@ -113,6 +122,9 @@ class DemoBackend:
         self.bootstrap_up = True
         self.open_streams = 0
         self.aborted_streams = 0
+        # Generation requests whose caller hung up before the answer ended (vLLM
+        # aborts such a request): how tests see that the proxy closed a leg.
+        self.abandoned = 0
         self.server = HttpServer(self.handle)
         self.bootstrap_server = HttpServer(self.handle_bootstrap)
         self.port = 0
@@ -181,6 +193,17 @@ class DemoBackend:
         if faults.close_without_response:
             responder.drop()
             return
+        responder.watch_client()  # a hang-up cancels this handler, as vLLM aborts
+        try:
+            await self._generation(request, responder, path, body)
+        except asyncio.CancelledError:
+            if responder.client_gone:
+                self.abandoned += 1
+            raise
+
+    async def _generation(self, request: ClientRequest, responder: Responder, path: str,
+                          body: Any) -> None:
+        faults = self.faults
         if faults.hang:
             await asyncio.Event().wait()
         if faults.delay:
@@ -281,7 +304,7 @@ class DemoBackend:
         if not kv.get("remote_block_ids"):
             return "assertion failed: do_remote_prefill without remote_block_ids"
         remote_id = str(kv.get("remote_request_id"))
-        if not self.registry.is_computed(remote_id):
+        if not self.registry.take(remote_id):
             return f"no prefilled KV for request {remote_id}"
         return None
 

@@ -115,10 +115,14 @@ async def open_decode(proxy: "Proxy", exchange: Exchange, method: bytes, target:
     last_error = "no decode backend configured"
     while True:
         endpoint = proxy.decode.pick_least_loaded(tried)
+        if endpoint is None and not tried and proxy.decode.endpoints:
+            # Every endpoint is cooling down. Answering 503 untried would turn one
+            # refused connection into seconds of outage, and behind a Service VIP
+            # (the GCO deployment: one decode URL) the next connection may reach
+            # another pod: try the endpoint whose cooldown ends first.
+            endpoint = min(proxy.decode.endpoints, key=lambda e: e.cooldown_until)
         if endpoint is None:
-            raise NoDecodeBackend(last_error if tried else (
-                "every decode endpoint is cooling down after failures"
-                if proxy.decode.endpoints else last_error))
+            raise NoDecodeBackend(last_error)
         try:
             response = await proxy.upstream.request(endpoint, method, target,
                                                     exchange.upstream_headers, body)
@@ -133,6 +137,7 @@ async def open_decode(proxy: "Proxy", exchange: Exchange, method: bytes, target:
             last_error = exc.detail
             tried += (endpoint,)
             continue
+        endpoint.cooldown_until = 0.0  # it answered: usable again (and ready)
         exchange.decode_backend = endpoint.label
         return response
 
@@ -161,12 +166,19 @@ async def relay_response(proxy: "Proxy", exchange: Exchange, response: UpstreamR
                     else content_type))
     await responder.start(response.status, relayed, content_length)
     metrics = proxy.metrics
+    # Chunks are collected and written when upstream has nothing more for the
+    # moment (one syscall per burst, not per SSE event); a slow client is
+    # waited for, which stops reading from decode (back-pressure).
+    response.before_wait(responder.flush)
     try:
         async for chunk in response.body_chunks():
             if exchange.first_byte_ms is None:
                 exchange.first_byte_ms = exchange.elapsed_ms()
                 metrics.decode_first_byte.observe(exchange.first_byte_ms / 1000.0)
-            await responder.write(chunk)
+            responder.buffer(chunk)
+            if responder.client_is_slow:
+                responder.flush()
+                await responder.wait_for_client()
     except UpstreamError as exc:
         metrics.decode_legs.inc("truncated")
         logs.warn(log, f"decode broke off its response after {responder.bytes_out} bytes; "

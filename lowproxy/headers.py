@@ -50,8 +50,17 @@ HOP_BY_HOP = frozenset(
 
 
 def forwarded_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
-    """The client's headers that may reach a backend, in order, bytes unchanged."""
-    return [(name, value) for name, value in headers if name in FORWARDED_REQUEST_HEADERS]
+    """The client's headers that may reach a backend, in order, bytes unchanged.
+
+    A header the client's Connection names is hop-by-hop (RFC 9110 7.6.1) and
+    stops here even when it is on the allow list.
+    """
+    headers = list(headers)
+    forwarded = [(name, value) for name, value in headers if name in FORWARDED_REQUEST_HEADERS]
+    named = connection_tokens(headers)
+    if named:
+        forwarded = [(name, value) for name, value in forwarded if name not in named]
+    return forwarded
 
 
 def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:

@@ -11,14 +11,19 @@ TCP instead of growing memory.
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import ssl
-from typing import Any
+from typing import Any, Callable
 
 import httpcore
 
 # Stop reading from the socket past this much unread data (back-pressure).
 READ_HIGH_WATER = 64 * 1024
+# h11 ends a head at the first empty line, with or without its CR.
+_BLANK_LINE = re.compile(rb"\n\r?\n")
+# Writes smaller than this wait for the next one or for the first read.
+WRITE_COALESCE = 64 * 1024
 
 
 class _StreamProtocol(asyncio.Protocol):
@@ -84,11 +89,26 @@ def _expire(future: asyncio.Future[None]) -> None:
 class AsyncioStream(httpcore.AsyncNetworkStream):
     """httpcore's network stream interface over one asyncio transport."""
 
-    __slots__ = ("_protocol", "_transport")
+    __slots__ = ("_protocol", "_transport", "before_wait", "_unsent", "head_only",
+                 "_head_tail", "_injected")
 
     def __init__(self, protocol: _StreamProtocol) -> None:
         self._protocol = protocol
         self._transport = protocol.transport
+        # Called when a read is about to wait for the network: a relay flushes
+        # what it collected then, so one burst from upstream is one write
+        # downstream, and nothing waits in a buffer while we wait too.
+        self.before_wait: Callable[[], None] | None = None
+        # httpcore writes a request's head and body separately; both go out in
+        # one segment when the response is first read. On loopback every send
+        # also runs the peer's receive path, so a write saved is CPU saved.
+        self._unsent: list[bytes] = []
+        # While set, a read returns nothing past the blank line that ends a
+        # response head, so h11 never holds body bytes and the body can be
+        # read from this stream directly (see UpstreamResponse.body_chunks).
+        self.head_only = False
+        self._head_tail = b""
+        self._injected = b""
 
     async def _wait(self, attr: str, timeout: float | None) -> None:
         protocol = self._protocol
@@ -103,11 +123,22 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         finally:
             timer.cancel()
 
+    def inject(self, data: bytes) -> None:
+        """Bytes the next read returns before anything from the network."""
+        self._injected += data
+
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        if self._injected:
+            data, self._injected = self._injected, b""
+            return data
         protocol = self._protocol
+        if self._unsent:
+            self._send_unsent()
         if not protocol.chunks:
             if protocol.eof:
                 return b""
+            if self.before_wait is not None:
+                self.before_wait()
             try:
                 await self._wait("reader", timeout)
             except TimeoutError:
@@ -124,6 +155,8 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             chunks.clear()
             if rest:
                 chunks.append(rest)
+        if self.head_only:
+            data = self._up_to_head_end(data)
         protocol.size -= len(data)
         if protocol.reading_paused and protocol.size <= READ_HIGH_WATER // 4:
             protocol.reading_paused = False
@@ -137,12 +170,34 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         protocol = self._protocol
         if protocol.eof or self._transport.is_closing():
             raise httpcore.WriteError("upstream connection closed")
-        self._transport.write(buffer)
+        self._unsent.append(buffer)
+        if len(buffer) < WRITE_COALESCE:
+            return
+        self._send_unsent()
         if protocol.writing_paused:
             try:
                 await self._wait("writer", timeout)
             except TimeoutError:
                 raise httpcore.WriteTimeout("timed out writing to upstream") from None
+
+    def _up_to_head_end(self, data: bytes) -> bytes:
+        """``data`` cut after the first blank line (h11's end of head); the rest kept."""
+        window = self._head_tail + data
+        match = _BLANK_LINE.search(window)
+        if match is None:
+            self._head_tail = window[-2:]
+            return data
+        self._head_tail = b""
+        cut = match.end() - (len(window) - len(data))
+        rest = data[cut:]
+        if rest:
+            self._protocol.chunks.insert(0, rest)
+        return data[:cut]
+
+    def _send_unsent(self) -> None:
+        unsent = self._unsent
+        self._transport.write(unsent[0] if len(unsent) == 1 else b"".join(unsent))
+        unsent.clear()
 
     async def aclose(self) -> None:
         self.close()

@@ -246,8 +246,8 @@ class Proxy:
         exchange.responder.watch_client()
         if prefill is None and self.prefill.configured:
             self.metrics.prefill_legs.inc(self.config.kv_protocol, "error")
-            logs.warn(log, "no usable prefill endpoint: every one is cooling down after "
-                      "failures", exchange.request_id)
+            logs.warn(log, "no prefill endpoint: the configured dns+ names resolve to no "
+                      "address", exchange.request_id)
             if self.config.on_prefill_failure == "error":
                 await exchange.responder.send_json(502, {"error": {
                     "message": "prefill failed: no usable prefill endpoint",
@@ -294,9 +294,21 @@ class Proxy:
                 targets.append((host, port))
             if targets:
                 return self._header_target(random.choice(targets))
-        return self.prefill.pick_round_robin()
+        endpoint = self.prefill.pick_round_robin()
+        if endpoint is None and self.prefill.endpoints:
+            # Every prefill is cooling down. A cooldown only prefers the others; with
+            # none left, skipping would turn one refused connection into seconds of
+            # recomputes (or 502s), and behind a Service VIP the next connection may
+            # reach another pod: try the one whose cooldown ends first.
+            endpoint = min(self.prefill.endpoints, key=lambda e: e.cooldown_until)
+        return endpoint
 
     def _header_target(self, key: tuple[str, int]) -> Endpoint:
+        # A scheduler usually names one of the configured (or discovered) prefills:
+        # use that endpoint, with its pool and its #bootstrap_port override.
+        for configured in self.prefill.endpoints:
+            if (configured.connect_host, configured.port) == key:
+                return configured
         endpoint = self._header_targets.get(key)
         if endpoint is not None:
             self._header_targets.move_to_end(key)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import ssl
+from typing import NoReturn
 
 
 class TrustUnavailable(Exception):
@@ -49,20 +50,29 @@ class TrustStore:
         try:
             info = os.stat(self.ca_file)
         except OSError as exc:
-            raise TrustUnavailable(f"CA file {self.ca_file}: {exc.strerror or exc}") from None
+            self._fail(f"CA file {self.ca_file}: {exc.strerror or exc}")
         identity = (info.st_ino, info.st_mtime_ns, info.st_size)
         if identity != self._identity or self._context is None:
             try:
                 context = _new_context(self.ca_file)
             except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
-                self._context = None
-                self._identity = None
-                self.generation += 1
-                raise TrustUnavailable(f"CA file {self.ca_file}: {exc}") from None
+                self._fail(f"CA file {self.ca_file}: {exc}")
             self._identity = identity
             self._context = context
             self.generation += 1
         return self._context
+
+    def _fail(self, reason: str) -> NoReturn:
+        """Forget the old trust and retire what was pooled under it: fail closed.
+
+        A removed bundle must not leave pooled connections usable, any more than
+        a corrupted one does: both start a new generation.
+        """
+        if self._context is not None or self._identity is not None:
+            self._context = None
+            self._identity = None
+            self.generation += 1
+        raise TrustUnavailable(reason) from None
 
     def current_generation(self) -> int:
         """The trust generation after re-checking the file (stat only)."""

@@ -23,11 +23,13 @@ from typing import AsyncIterator, Awaitable, Callable, Iterable
 import httpcore
 
 from .config import Config, EndpointSpec
+from .chunked import ChunkedDecoder, ChunkedError
 from .netstream import AsyncioBackend, AsyncioStream
 from .tls import TrustStore, TrustUnavailable
 
 log = logging.getLogger("lowproxy.upstream")
 
+READ_SIZE = 64 * 1024
 # Idle connections kept per endpoint; more than this are closed on release.
 MAX_IDLE_PER_ENDPOINT = 256
 
@@ -124,10 +126,10 @@ class UpstreamResponse:
     """
 
     __slots__ = ("status", "headers", "endpoint", "_pooled", "_response", "_upstream",
-                 "_complete", "_closed")
+                 "_complete", "_closed", "_chunked")
 
     def __init__(self, upstream: "Upstream", endpoint: Endpoint, pooled: _Pooled,
-                 response: httpcore.Response) -> None:
+                 response: httpcore.Response, method: bytes) -> None:
         self.status = response.status
         self.headers: list[tuple[bytes, bytes]] = response.headers
         self.endpoint = endpoint
@@ -136,12 +138,35 @@ class UpstreamResponse:
         self._response = response
         self._complete = False
         self._closed = False
+        # A chunked body (a stream) is decoded here, not by h11: see body_chunks.
+        self._chunked = (method != b"HEAD" and self.status >= 200
+                         and self.status not in (204, 304)
+                         and any(name.lower() == b"transfer-encoding"
+                                 for name, _ in response.headers))
+
+    def before_wait(self, callback: Callable[[], None] | None) -> None:
+        """Call ``callback`` whenever reading the body is about to wait for the network."""
+        stream = self._pooled.stream
+        if stream is not None:
+            stream.before_wait = callback
 
     async def body_chunks(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive (de-chunked, never decompressed)."""
+        """The body's bytes as they arrive (de-chunked, never decompressed).
+
+        A chunked body is read straight from the connection and decoded by
+        ChunkedDecoder: per SSE event that is a find and a slice, where h11
+        costs an event and a state-machine step. h11 saw only the head (the
+        stream was head_only), so once the last chunk is in, h11 is handed the
+        bare terminating chunk and completes the exchange as if it had read the
+        body itself; the connection then goes back to the pool as usual.
+        """
         try:
-            async for chunk in self._response.stream:  # type: ignore[union-attr]
-                yield chunk
+            if self._chunked and self._pooled.stream is not None:
+                async for chunk in self._decode_chunked(self._pooled.stream):
+                    yield chunk
+            else:
+                async for chunk in self._response.stream:  # type: ignore[union-attr]
+                    yield chunk
         except httpcore.TimeoutException as exc:
             raise UpstreamError("timeout", f"reading from {self.endpoint.label}: {exc}",
                                 self.endpoint) from None
@@ -149,6 +174,25 @@ class UpstreamResponse:
             raise UpstreamError("protocol", f"{self.endpoint.label} broke off its response: "
                                 f"{exc or type(exc).__name__}", self.endpoint) from None
         self._complete = True
+
+    async def _decode_chunked(self, stream: AsyncioStream) -> AsyncIterator[bytes]:
+        decoder = ChunkedDecoder()
+        while not decoder.done:
+            data = await stream.read(READ_SIZE)
+            if not data:
+                raise httpcore.RemoteProtocolError("connection closed mid-body")
+            try:
+                pieces = decoder.feed(data)
+            except ChunkedError as exc:
+                raise httpcore.RemoteProtocolError(str(exc)) from None
+            for piece in pieces:
+                yield piece
+        if decoder.leftover:
+            # Bytes after the body: this connection cannot be trusted again.
+            raise httpcore.RemoteProtocolError("data after the end of the body")
+        stream.inject(b"0\r\n\r\n")
+        async for _ in self._response.stream:  # type: ignore[union-attr]
+            raise httpcore.RemoteProtocolError("h11 saw body data after the head")
 
     async def read(self, limit: int) -> bytes:
         """The whole body, at most ``limit`` bytes (more is a protocol error)."""
@@ -220,6 +264,8 @@ class Upstream:
                 request = httpcore.Request(method, url, headers=wire_headers,
                                            content=body if body is not None else b"")
                 pooled.requests += 1
+                stream = pooled.stream
+                stream.head_only = True
                 try:
                     response = await pooled.http.handle_async_request(request)
                 except (httpcore.RemoteProtocolError, httpcore.ReadError,
@@ -235,7 +281,8 @@ class Upstream:
                 except BaseException:
                     self._discard(endpoint, pooled)
                     raise
-                return UpstreamResponse(self, endpoint, pooled, response)
+                stream.head_only = False
+                return UpstreamResponse(self, endpoint, pooled, response, method)
             raise AssertionError("unreachable")  # pragma: no cover
         except BaseException:
             endpoint.in_flight -= 1
@@ -289,6 +336,8 @@ class Upstream:
         """A response read to its end: pool its connection, or retire it."""
         endpoint.in_flight -= 1
         http = pooled.http
+        if pooled.stream is not None:
+            pooled.stream.before_wait = None
         # httpcore marks the connection idle (both h11 sides DONE). This does
         # not suspend: our lock never waits.
         await response.stream.aclose()  # type: ignore[union-attr]

@@ -284,3 +284,99 @@ async def _echo_answer(request: Any, responder: Any) -> None:
     await responder.send_json(200, {"path": request.path,
                                     "target": request.target.decode("latin-1")})
 
+
+
+# -- raw sockets (limits, smuggling, fuzzing)
+
+
+async def raw_exchange(port: int, data: bytes, *, half_close: bool = False,
+                       timeout: float = 5.0) -> bytes:
+    """Send ``data`` as is and return every byte the server sends until it closes.
+
+    Fails (TimeoutError) when the server keeps the connection open longer than
+    ``timeout``: callers use it to check that a connection was closed.
+    """
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    chunks: list[bytes] = []
+    try:
+        writer.write(data)
+        await writer.drain()
+        if half_close:
+            writer.write_eof()
+        await asyncio.wait_for(_read_to_close(reader, chunks), timeout)
+    finally:
+        writer.close()
+    return b"".join(chunks)
+
+
+async def _read_to_close(reader: asyncio.StreamReader, chunks: list[bytes]) -> None:
+    while True:
+        try:
+            chunk = await reader.read(65536)
+        except ConnectionError:
+            return
+        if not chunk:
+            return
+        chunks.append(chunk)
+
+
+def parse_replies(raw: bytes, head_only: bool = False) -> list[Reply]:
+    """The responses in ``raw`` (bytes a server sent on one connection), in order.
+
+    A response cut short is returned with ``complete`` False; bytes that are not
+    HTTP end the list with a Reply of status 0.
+    """
+    replies: list[Reply] = []
+    rest = raw
+    while rest:
+        conn = h11.Connection(h11.CLIENT)
+        conn.send(h11.Request(method="HEAD" if head_only else "GET", target="/",
+                              headers=[("host", "x")]))
+        conn.send(h11.EndOfMessage())
+        conn.receive_data(rest)
+        conn.receive_data(b"")
+        reply = Reply(0, [], b"", False)
+        parts: list[bytes] = []
+        try:
+            while True:
+                event = conn.next_event()
+                if isinstance(event, h11.InformationalResponse):
+                    continue
+                if isinstance(event, h11.Response):
+                    reply.status, reply.headers = event.status_code, list(event.headers.raw_items())
+                elif isinstance(event, h11.Data):
+                    parts.append(bytes(event.data))
+                elif isinstance(event, h11.EndOfMessage):
+                    reply.complete = True
+                    break
+                else:
+                    break
+        except h11.RemoteProtocolError:
+            pass
+        reply.body = b"".join(parts)
+        replies.append(reply)
+        if not reply.complete:
+            break
+        rest = conn.trailing_data[0]
+    return replies
+
+
+def follow_output(daemon: Daemon) -> "threading.Thread":
+    """Keep reading a running daemon's stderr into ``daemon.lines``.
+
+    A daemon that logs more than a pipe holds (64 KiB) would block on its next
+    log line; call this after ``wait_listening`` in long tests, and join the
+    thread after the daemon exits before reading ``daemon.output()``.
+    """
+    import threading
+
+    assert daemon.proc.stderr is not None
+    stderr = daemon.proc.stderr
+
+    def pump() -> None:
+        for line in iter(stderr.readline, b""):
+            daemon.lines.append(line.decode(errors="replace"))
+
+    thread = threading.Thread(target=pump, daemon=True)
+    thread.start()
+    return thread
