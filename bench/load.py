@@ -692,6 +692,21 @@ def targets(results: list[Result], args: argparse.Namespace) -> list[dict[str, A
     return checks
 
 
+def derived(results: list[Result], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Figures computed from two runs of the same invocation (not targets)."""
+    by_key = {(r.scenario, r.target): r for r in results}
+    notes = []
+    chat, stream = by_key.get(("chat", "proxy")), by_key.get(("stream", "proxy"))
+    if (chat and stream and chat.cpu_us_per_request is not None
+            and stream.cpu_us_per_request is not None and args.stream_chunks):
+        # A streamed request pays the same fixed cost as a chat request (client
+        # exchange, prefill leg, decode leg); what is left is the cost of relaying.
+        notes.append({"figure": "stream: proxy CPU us per extra chunk, (stream - chat) / chunks",
+                      "value": (stream.cpu_us_per_request - chat.cpu_us_per_request)
+                      / args.stream_chunks})
+    return notes
+
+
 # -- output
 
 COLUMNS = (("scenario", 12), ("target", 6), ("conc", 5), ("requests", 8), ("req/s", 8),
@@ -708,7 +723,8 @@ def _fmt(value: Any, digits: int = 1) -> str:
 
 
 def table(results: list[Result], found_ratios: list[dict[str, Any]],
-          checks: list[dict[str, Any]], args: argparse.Namespace) -> str:
+          checks: list[dict[str, Any]], notes: list[dict[str, Any]],
+          args: argparse.Namespace) -> str:
     lines = [f"lowproxy bench: proxy {' '.join(proxy_command(args))!r}, loop {args.loop}, "
              f"{os.cpu_count()} cpus, " + (f"{args.requests} requests" if args.requests else
                                            f"{args.duration:g}s") + " per run"]
@@ -741,6 +757,11 @@ def table(results: list[Result], found_ratios: list[dict[str, Any]],
     for entry in checks:
         value = "-" if entry["value"] is None else f"{entry['value']:.2f}"
         lines.append(f"  [{'PASS' if entry['pass'] else 'FAIL'}] {entry['target']}: {value}")
+    if notes:
+        lines.append("")
+        lines.append("derived:")
+        for note in notes:
+            lines.append(f"  {note['figure']}: {note['value']:.2f}")
     lines.append("")
     lines.append("cpu: the proxy process's utime+stime over the measured window; direct rows "
                  "have no proxy. idle-streams: requests = streams open, req/s = streams opened "
@@ -825,17 +846,19 @@ def main(argv: list[str] | None = None) -> int:
         results.extend(run_idle(args))
     found_ratios = ratios(results)
     checks = targets(results, args)
+    notes = derived(results, args)
     document = json.dumps({"proxy_cmd": proxy_command(args), "loop": args.loop,
                            "cpus": os.cpu_count(), "duration": args.duration,
                            "requests": args.requests, "results": [asdict(r) for r in results],
-                           "ratios": found_ratios, "targets": checks}, indent=2)
+                           "ratios": found_ratios, "targets": checks, "derived": notes},
+                          indent=2)
     if args.json_file:
         with open(args.json_file, "w") as f:
             f.write(document + "\n")
     if args.json:
         print(document)
     else:
-        print(table(results, found_ratios, checks, args))
+        print(table(results, found_ratios, checks, notes, args))
     if args.check and (any(r.errors for r in results) or not all(c["pass"] for c in checks)):
         return 1
     return 0

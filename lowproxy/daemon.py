@@ -161,6 +161,19 @@ def _run(config: Config, sock: socket.socket | None = None) -> int:
             loop.close()
 
 
+def _die_with(parent: int) -> None:
+    """Make a worker get SIGTERM when its parent dies (Linux), so none is orphaned."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's signal forwarding remains
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
 def _run_workers(config: Config) -> int:
     """N processes, each with its own SO_REUSEPORT socket on the same port.
 
@@ -176,9 +189,11 @@ def _run_workers(config: Config) -> int:
     port = first.getsockname()[1]
     config = dataclasses.replace(config, port=port)
     children = []
+    parent = os.getpid()
     for index in range(config.workers):
         pid = os.fork()
         if pid == 0:
+            _die_with(parent)
             try:
                 if index == 0:
                     first.listen(2048)

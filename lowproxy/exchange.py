@@ -34,9 +34,21 @@ class NoDecodeBackend(Exception):
     """No decode endpoint could be reached (all refused, in cooldown, or untrusted)."""
 
 
+class _NoDeadline:
+    """No bound (the default for decode: a generation may stream for many minutes)."""
+
+    async def __aenter__(self) -> None:
+        return None
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_DEADLINE = _NoDeadline()
+
 if sys.version_info >= (3, 11):
     def deadline(seconds: float | None) -> Any:
-        return asyncio.timeout(seconds)
+        return _NO_DEADLINE if seconds is None else asyncio.timeout(seconds)
 else:  # pragma: no cover - Python 3.10
     class deadline:
         """asyncio.timeout for 3.10: cancel the current task when time is up."""
@@ -192,26 +204,37 @@ async def relay_response(proxy: "Proxy", exchange: Exchange, response: UpstreamR
     metrics.decode_legs.inc("ok")
 
 
-async def decode_and_relay(proxy: "Proxy", exchange: Exchange, method: bytes, target: bytes,
-                           body: bytes | None) -> None:
-    """The whole decode leg: open, relay, always close; failures answered before start.
+async def send_decode(proxy: "Proxy", exchange: Exchange, method: bytes, target: bytes,
+                      body: bytes | None) -> UpstreamResponse | None:
+    """Open the decode leg; None when it failed and the client has been answered.
 
-    No bound by default: a generation may stream for many minutes.
-    PD_PROXY_DECODE_TIMEOUT_SECONDS sets one on the whole leg.
+    The caller relays the response with relay_decode(). The two are separate so
+    that whatever built the leg (the parsed body, the serialised legs) is gone
+    before a stream that may last minutes starts.
     """
     try:
-        async with deadline(proxy.config.decode_timeout):
-            try:
-                response = await open_decode(proxy, exchange, method, target, body)
-            except NoDecodeBackend as exc:
-                await answer_no_decode(proxy, exchange, str(exc))
-                return
-            except UpstreamError as exc:
-                await answer_decode_failed(proxy, exchange, exc)
-                return
-            await relay_opened(proxy, exchange, response)
+        async with decode_deadline(proxy, exchange):
+            return await open_decode(proxy, exchange, method, target, body)
+    except NoDecodeBackend as exc:
+        await answer_no_decode(proxy, exchange, str(exc))
+    except UpstreamError as exc:
+        await answer_decode_failed(proxy, exchange, exc)
     except TimeoutError:
         await decode_timed_out(proxy, exchange)
+    return None
+
+
+def decode_deadline(proxy: "Proxy", exchange: Exchange) -> Any:
+    """What is left of PD_PROXY_DECODE_TIMEOUT_SECONDS for this decode leg.
+
+    No bound by default: a generation may stream for many minutes.
+    """
+    limit = proxy.config.decode_timeout
+    if limit is None:
+        return deadline(None)
+    if exchange.decode_started is None:
+        return deadline(limit)
+    return deadline(max(0.0, limit - (time.perf_counter() - exchange.decode_started)))
 
 
 async def decode_timed_out(proxy: "Proxy", exchange: Exchange) -> None:
@@ -224,10 +247,13 @@ async def decode_timed_out(proxy: "Proxy", exchange: Exchange) -> None:
         504, error_body(504, "decode backend timed out", "upstream_timeout"))
 
 
-async def relay_opened(proxy: "Proxy", exchange: Exchange, response: UpstreamResponse) -> None:
-    """Relay an opened decode response, then close it whatever happened."""
+async def relay_decode(proxy: "Proxy", exchange: Exchange, response: UpstreamResponse) -> None:
+    """Relay an opened decode response within the decode timeout; always close it."""
     try:
-        await relay_response(proxy, exchange, response)
+        async with decode_deadline(proxy, exchange):
+            await relay_response(proxy, exchange, response)
+    except TimeoutError:
+        await decode_timed_out(proxy, exchange)
     except (asyncio.CancelledError, ClientGone) as exc:
         if isinstance(exc, ClientGone) or exchange.responder.client_gone:
             proxy.metrics.decode_legs.inc("client_gone")
@@ -332,9 +358,12 @@ async def answer_prefill_failed(proxy: "Proxy", exchange: Exchange, detail: str)
         "message": f"prefill failed: {detail}", "type": "prefill_failed", "code": 502}})
 
 
-async def recompute(proxy: "Proxy", exchange: Exchange, body: dict[str, Any]) -> None:
+async def recompute(proxy: "Proxy", exchange: Exchange,
+                    body: dict[str, Any]) -> UpstreamResponse | None:
     """Decode computes the prompt itself: the client's body, no kv_transfer_params."""
     proxy.metrics.prefill_legs.inc(exchange.handshake or "relay", "recompute")
     logs.warn(log, "decode will recompute the prompt without transferred KV",
               exchange.request_id, handshake=exchange.handshake)
-    await decode_and_relay(proxy, exchange, b"POST", exchange.request.target, serialise(body))
+    exchange.decode_started = None  # a new decode leg, with its own timeout
+    return await send_decode(proxy, exchange, b"POST", exchange.request.target,
+                             serialise(body))

@@ -20,7 +20,7 @@ from typing import Any, Coroutine, Iterable
 from . import logs
 from .backends import BackendGroup, PrefillTargetAllowList, split_host_port
 from .config import Config, EndpointSpec
-from .exchange import Exchange, decode_and_relay
+from .exchange import Exchange, relay_decode, send_decode
 from .handshakes import mooncake, relay, sglang
 from .handshakes.bootstrap import BootstrapCache
 from .handshakes.legs import BodyError, parse_client_body, serialise, wants_stream, without_client_kv
@@ -59,13 +59,16 @@ class Proxy:
         self._background: set[asyncio.Task[Any]] = set()
         self._header_targets: OrderedDict[tuple[str, int], Endpoint] = OrderedDict()
         self._maintenance: asyncio.Task[None] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self._register_gauges()
 
     # -- life cycle
 
     async def start(self) -> None:
+        # Cached: asyncio.get_running_loop() costs a getpid() syscall on 3.11.
+        self.loop = asyncio.get_running_loop()
         await self.refresh_discovery()
-        self._maintenance = asyncio.get_running_loop().create_task(self._maintain())
+        self._maintenance = self.loop.create_task(self._maintain())
 
     async def refresh_discovery(self) -> None:
         await self.prefill.refresh(self.resolver, self.upstream)
@@ -98,7 +101,7 @@ class Proxy:
 
     def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         """A task that outlives its request (a prefill leg left to finish)."""
-        task = asyncio.get_running_loop().create_task(coroutine)
+        task = self.loop.create_task(coroutine)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
         return task
@@ -236,6 +239,7 @@ class Proxy:
         except BodyError as exc:
             await exchange.responder.send_json(400, {"error": str(exc)})
             return
+        request.body = b""  # parsed: a long stream must not keep the raw prompt too
         exchange.wants_stream = wants_stream(body)
         try:
             prefill = self._choose_prefill(request)
@@ -253,7 +257,10 @@ class Proxy:
                     "message": "prefill failed: no usable prefill endpoint",
                     "type": "prefill_failed", "code": 502}})
                 return
-        await self.handshake(self, exchange, body, prefill)
+        response = await self.handshake(self, exchange, body, prefill)
+        del body  # the handshake's frames are gone; so is every copy of the prompt
+        if response is not None:
+            await relay_decode(self, exchange, response)
 
     async def _passthrough(self, exchange: Exchange) -> None:
         request = exchange.request
@@ -266,10 +273,15 @@ class Proxy:
                 return
             exchange.wants_stream = wants_stream(parsed)
             body = serialise(without_client_kv(parsed))
+            del parsed
         elif request.body:
             body = request.body
+        request.body = b""
         exchange.responder.watch_client()
-        await decode_and_relay(self, exchange, request.method, request.target, body)
+        response = await send_decode(self, exchange, request.method, request.target, body)
+        del body
+        if response is not None:
+            await relay_decode(self, exchange, response)
 
     # -- prefill target
 

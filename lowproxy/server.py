@@ -225,6 +225,8 @@ class ClientConnection:
         self.reader = reader
         self.writer = writer
         self.transport = writer.transport
+        # Cached: asyncio.get_running_loop() costs a getpid() syscall on 3.11.
+        self._loop = asyncio.get_running_loop()
         self.h11 = h11.Connection(h11.SERVER,
                                   max_incomplete_event_size=server.limits.max_header_bytes)
         self.gone = False
@@ -243,7 +245,7 @@ class ClientConnection:
     def _arm(self, kind: str, seconds: float) -> None:
         self._disarm()
         self._timer_kind = kind
-        self._timer = asyncio.get_running_loop().call_later(seconds, self._expired)
+        self._timer = self._loop.call_later(seconds, self._expired)
 
     def _disarm(self) -> None:
         if self._timer is not None:
@@ -315,7 +317,7 @@ class ClientConnection:
         next read awaits it rather than racing it.
         """
         if self._watcher is None and not self.gone:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+            self._watcher = self._loop.create_task(self._watch())
 
     async def _watch(self) -> None:
         size = 0
@@ -470,9 +472,10 @@ class ClientConnection:
         self._disarm()
         # h11 hands out bytearrays; a request body is immutable bytes from here on
         # (httpcore sends only bytes as a body: a GET's body is forwarded as is).
-        body = bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
-        request = ClientRequest(event.method, event.target, list(event.headers), body,
+        request = ClientRequest(event.method, event.target, list(event.headers),
+                                bytes(parts[0]) if len(parts) == 1 else b"".join(parts),
                                 event.http_version)
+        del parts  # the handler owns the body now (and may drop it)
         responder = Responder(self, head=event.method == b"HEAD")
         self.busy = True
         try:

@@ -67,6 +67,7 @@ class _Exclusive:
 
 
 _EXCLUSIVE = _Exclusive()
+_SENT: tuple[bytes, ...] = ()  # an empty body, for requests already sent
 
 
 class Endpoint:
@@ -282,6 +283,9 @@ class Upstream:
                     self._discard(endpoint, pooled)
                     raise
                 stream.head_only = False
+                # The body is on the wire; httpcore keeps the request for the
+                # response's lifetime, and a stream must not keep the prompt.
+                request.stream = _SENT
                 return UpstreamResponse(self, endpoint, pooled, response, method)
             raise AssertionError("unreachable")  # pragma: no cover
         except BaseException:

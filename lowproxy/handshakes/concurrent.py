@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from ..exchange import (Exchange, NoDecodeBackend, answer_decode_failed, answer_no_decode,
                         answer_prefill_failed, deadline, decode_timed_out, open_decode,
-                        prefill_leg, recompute, relay_opened)
+                        prefill_leg, recompute)
 from ..upstream import Endpoint, UpstreamError, UpstreamResponse
 from .legs import Body
 from .relay import path_of
@@ -31,10 +31,16 @@ if TYPE_CHECKING:
 
 async def run_concurrent(proxy: "Proxy", exchange: Exchange, client_body: Body,
                          prefill: Endpoint, prefill_body: bytes, decode_body: bytes,
-                         prefill_headers: list[tuple[bytes, bytes]]) -> None:
+                         prefill_headers: list[tuple[bytes, bytes]]
+                         ) -> UpstreamResponse | None:
+    """Both legs at once; decode's response once prefill has committed, or None.
+
+    None means the client has been answered here (no decode, decode failed,
+    prefill failed with PD_PROXY_ON_PREFILL_FAILURE=error, decode timeout).
+    """
     prefill_task = proxy.spawn(prefill_leg(proxy, exchange, prefill, path_of(exchange),
                                            prefill_body, prefill_headers, want_kv=False))
-    decode_task = asyncio.get_running_loop().create_task(
+    decode_task = proxy.loop.create_task(
         open_decode(proxy, exchange, b"POST", exchange.request.target, decode_body))
     try:
         async with deadline(proxy.config.decode_timeout):
@@ -47,22 +53,20 @@ async def run_concurrent(proxy: "Proxy", exchange: Exchange, client_body: Body,
                     _drop_decode(decode_task)
                     if proxy.config.on_prefill_failure == "error":
                         await answer_prefill_failed(proxy, exchange, result.detail)
-                    else:
-                        await recompute(proxy, exchange, client_body)
-                    return
-            try:
-                response = await decode_task
-            except NoDecodeBackend as exc:
-                await answer_no_decode(proxy, exchange, str(exc))
-                return
-            except UpstreamError as exc:
-                await answer_decode_failed(proxy, exchange, exc)
-                return
-            await relay_opened(proxy, exchange, response)
+                        return None
+                    return await recompute(proxy, exchange, client_body)
+            return await decode_task
+    except NoDecodeBackend as exc:
+        await answer_no_decode(proxy, exchange, str(exc))
+    except UpstreamError as exc:
+        await answer_decode_failed(proxy, exchange, exc)
     except TimeoutError:
-        await decode_timed_out(proxy, exchange)
-    finally:
         _drop_decode(decode_task)
+        await decode_timed_out(proxy, exchange)
+    except BaseException:
+        _drop_decode(decode_task)  # the client left: decode aborts at once
+        raise
+    return None
 
 
 def _drop_decode(task: "asyncio.Task[UpstreamResponse]") -> None:

@@ -11,8 +11,8 @@ import uuid
 from typing import TYPE_CHECKING
 
 from .. import logs
-from ..exchange import Exchange, answer_prefill_failed, decode_and_relay, log, recompute
-from ..upstream import Endpoint
+from ..exchange import Exchange, answer_prefill_failed, log, recompute, send_decode
+from ..upstream import Endpoint, UpstreamResponse
 from .bootstrap import BootstrapError
 from .concurrent import run_concurrent
 from .legs import Body, mooncake_bodies, serialise
@@ -23,11 +23,12 @@ if TYPE_CHECKING:
 RANK_HEADER = b"X-data-parallel-rank"
 
 
-async def run(proxy: "Proxy", exchange: Exchange, body: Body, prefill: Endpoint | None) -> None:
+async def run(proxy: "Proxy", exchange: Exchange, body: Body,
+              prefill: Endpoint | None) -> UpstreamResponse | None:
     exchange.handshake = "mooncake"
     if prefill is None:
-        await decode_and_relay(proxy, exchange, b"POST", exchange.request.target, serialise(body))
-        return
+        return await send_decode(proxy, exchange, b"POST", exchange.request.target,
+                                 serialise(body))
     try:
         engines = await proxy.bootstrap.engines(prefill)
     except BootstrapError as exc:
@@ -36,12 +37,11 @@ async def run(proxy: "Proxy", exchange: Exchange, body: Body, prefill: Endpoint 
                   backend=prefill.label)
         if proxy.config.on_prefill_failure == "error":
             await answer_prefill_failed(proxy, exchange, str(exc))
-        else:
-            await recompute(proxy, exchange, body)
-        return
+            return None
+        return await recompute(proxy, exchange, body)
     rank, engine_id = engines.next_rank()
     transfer_id = f"xfer-{uuid.uuid4()}"
     prefill_body, decode_body = mooncake_bodies(body, transfer_id, engine_id,
                                                 proxy.bootstrap.bootstrap_addr(prefill))
-    await run_concurrent(proxy, exchange, body, prefill, serialise(prefill_body),
-                         serialise(decode_body), [(RANK_HEADER, rank.encode())])
+    return await run_concurrent(proxy, exchange, body, prefill, serialise(prefill_body),
+                                serialise(decode_body), [(RANK_HEADER, rank.encode())])

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..exchange import Exchange, answer_prefill_failed, decode_and_relay, prefill_leg
-from ..upstream import Endpoint
+from ..exchange import Exchange, answer_prefill_failed, prefill_leg, send_decode
+from ..upstream import Endpoint, UpstreamResponse
 from .legs import Body, relay_decode_body, relay_prefill_body, serialise
 
 if TYPE_CHECKING:
     from ..proxy import Proxy
 
 
-async def run(proxy: "Proxy", exchange: Exchange, body: Body, prefill: Endpoint | None) -> None:
+async def run(proxy: "Proxy", exchange: Exchange, body: Body,
+              prefill: Endpoint | None) -> UpstreamResponse | None:
+    """Both legs in turn; decode's opened response, or None when the client has its answer."""
     exchange.handshake = "relay"
     decode_body = body
     if prefill is not None:
@@ -28,11 +30,11 @@ async def run(proxy: "Proxy", exchange: Exchange, body: Body, prefill: Endpoint 
             decode_body = relay_decode_body(body, result.kv_transfer_params)
         elif proxy.config.on_prefill_failure == "error":
             await answer_prefill_failed(proxy, exchange, result.detail)
-            return
+            return None
         else:
             proxy.metrics.prefill_legs.inc("relay", "recompute")
-    await decode_and_relay(proxy, exchange, b"POST", exchange.request.target,
-                           serialise(decode_body))
+    return await send_decode(proxy, exchange, b"POST", exchange.request.target,
+                             serialise(decode_body))
 
 
 def path_of(exchange: Exchange) -> bytes:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from ..exchange import Exchange, decode_and_relay
-from ..upstream import Endpoint
+from ..exchange import Exchange, send_decode
+from ..upstream import Endpoint, UpstreamResponse
 from .concurrent import run_concurrent
 from .legs import Body, serialise, sglang_body
 
@@ -16,12 +16,13 @@ if TYPE_CHECKING:
 _rooms = random.SystemRandom()
 
 
-async def run(proxy: "Proxy", exchange: Exchange, body: Body, prefill: Endpoint | None) -> None:
+async def run(proxy: "Proxy", exchange: Exchange, body: Body,
+              prefill: Endpoint | None) -> UpstreamResponse | None:
     exchange.handshake = "sglang"
     if prefill is None:
-        await decode_and_relay(proxy, exchange, b"POST", exchange.request.target, serialise(body))
-        return
+        return await send_decode(proxy, exchange, b"POST", exchange.request.target,
+                                 serialise(body))
     port = prefill.spec.bootstrap_port or proxy.config.sglang_bootstrap_port
     room = _rooms.getrandbits(63)  # non-negative, fits SGLang's int64 room id
     shaped = serialise(sglang_body(body, prefill.bootstrap_host, port, room))
-    await run_concurrent(proxy, exchange, body, prefill, shaped, shaped, [])
+    return await run_concurrent(proxy, exchange, body, prefill, shaped, shaped, [])
