@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import sys
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +18,7 @@ from . import logs
 from .handshakes.legs import serialise
 from .headers import relayed_response_headers
 from .server import AbortResponse, ClientGone, ClientRequest, Responder, error_body
+from .timeouts import deadline
 from .upstream import Endpoint, UpstreamError, UpstreamResponse
 
 if TYPE_CHECKING:
@@ -32,50 +32,6 @@ MAX_PREFILL_ANSWER_BYTES = 8 * 1024 * 1024
 
 class NoDecodeBackend(Exception):
     """No decode endpoint could be reached (all refused, in cooldown, or untrusted)."""
-
-
-class _NoDeadline:
-    """No bound (the default for decode: a generation may stream for many minutes)."""
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
-_NO_DEADLINE = _NoDeadline()
-
-if sys.version_info >= (3, 11):
-    def deadline(seconds: float | None) -> Any:
-        return _NO_DEADLINE if seconds is None else asyncio.timeout(seconds)
-else:  # pragma: no cover - Python 3.10
-    class deadline:
-        """asyncio.timeout for 3.10: cancel the current task when time is up."""
-
-        def __init__(self, seconds: float | None) -> None:
-            self.seconds = seconds
-            self.handle: asyncio.TimerHandle | None = None
-            self.expired = False
-
-        async def __aenter__(self) -> "deadline":
-            if self.seconds is not None:
-                task = asyncio.current_task()
-                loop = asyncio.get_running_loop()
-
-                def expire() -> None:
-                    self.expired = True
-                    task.cancel()  # type: ignore[union-attr]
-
-                self.handle = loop.call_later(self.seconds, expire)
-            return self
-
-        async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-            if self.handle is not None:
-                self.handle.cancel()
-            if self.expired and exc_type is asyncio.CancelledError:
-                raise TimeoutError()
-            return False
 
 
 class Exchange:

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import httpcore
 
+from .timeouts import deadline
+
 # Stop reading from the socket past this much unread data (back-pressure).
 READ_HIGH_WATER = 64 * 1024
 # h11 ends a head at the first empty line, with or without its CR.
@@ -249,11 +251,9 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
             family=socket.AF_UNSPEC,
         )
         try:
-            if timeout is None:
+            async with deadline(timeout):
                 await connecting
-            else:
-                await asyncio.wait_for(connecting, timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise httpcore.ConnectTimeout(f"connect to {host}:{port} timed out") from None
         except ssl.SSLError as exc:
             raise httpcore.ConnectError(f"TLS with {host}:{port} failed: {exc}") from None

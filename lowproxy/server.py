@@ -29,6 +29,9 @@ import h11
 log = logging.getLogger("lowproxy.server")
 
 READ_SIZE = 64 * 1024
+# A handler waiting on a backend longer than this starts watching its client for
+# a hang-up; the many exchanges that end sooner never pay for the watcher task.
+WATCH_AFTER = 0.05
 # How long a closed connection may take to flush what it still has queued.
 CLOSE_GRACE = 10.0
 # Past this much unsent to a client, stop relaying until it catches up.
@@ -235,6 +238,7 @@ class ClientConnection:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_kind = ""
         self._watcher: asyncio.Task[None] | None = None
+        self._watch_later: asyncio.TimerHandle | None = None
         self._pending: list[bytes] = []
         self._head_bytes = 0
         self._head_reads: list[bytes] | None = None  # this cycle's reads until its head
@@ -316,7 +320,13 @@ class ClientConnection:
         pushes back. The watcher keeps its read pending after the cycle: the
         next read awaits it rather than racing it.
         """
-        if self._watcher is None and not self.gone:
+        if self._watcher is None and self._watch_later is None and not self.gone:
+            # Most exchanges end within WATCH_AFTER: they never pay for a task.
+            self._watch_later = self._loop.call_later(WATCH_AFTER, self._start_watching)
+
+    def _start_watching(self) -> None:
+        self._watch_later = None
+        if self.busy and self._watcher is None and not self.gone:
             self._watcher = self._loop.create_task(self._watch())
 
     async def _watch(self) -> None:
@@ -340,6 +350,9 @@ class ClientConnection:
                 return
 
     def _stop_watching(self) -> None:
+        if self._watch_later is not None:
+            self._watch_later.cancel()
+            self._watch_later = None
         watcher, self._watcher = self._watcher, None
         if watcher is not None and not watcher.done():
             watcher.cancel()
@@ -499,6 +512,9 @@ class ClientConnection:
                 return False
         finally:
             self.busy = False
+            if self._watch_later is not None:
+                self._watch_later.cancel()
+                self._watch_later = None
         if not responder.ended:
             return False
         if self.gone or conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:

@@ -83,7 +83,8 @@ async def keep_alive(port: int):
 async def refused(port: int) -> bool:
     try:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
-    except ConnectionRefusedError:
+    except (ConnectionRefusedError, ConnectionResetError):
+        # A connect racing the listener's close is reset rather than refused.
         return True
     writer.close()
     return False

@@ -15,6 +15,7 @@ from collections import OrderedDict
 from typing import Callable
 
 from ..config import EndpointSpec
+from ..timeouts import deadline
 from ..upstream import Endpoint, Upstream, UpstreamError
 
 QUERY_TIMEOUT_SECONDS = 5.0  # as llm-d's sidecar and vLLM's own bound
@@ -106,9 +107,10 @@ class BootstrapCache:
         started = loop.time()
         ok = False
         try:
-            engine_map = await asyncio.wait_for(self._fetch(endpoint), QUERY_TIMEOUT_SECONDS)
+            async with deadline(QUERY_TIMEOUT_SECONDS):
+                engine_map = await self._fetch(endpoint)
             ok = True
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise BootstrapError(f"{self.bootstrap_addr(endpoint)}/query did not answer "
                                  f"within {QUERY_TIMEOUT_SECONDS:g}s") from None
         finally:

@@ -19,8 +19,9 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from ..exchange import (Exchange, NoDecodeBackend, answer_decode_failed, answer_no_decode,
-                        answer_prefill_failed, deadline, decode_timed_out, open_decode,
-                        prefill_leg, recompute)
+                        answer_prefill_failed, decode_timed_out, open_decode, prefill_leg,
+                        recompute)
+from ..timeouts import deadline
 from ..upstream import Endpoint, UpstreamError, UpstreamResponse
 from .legs import Body
 from .relay import path_of
