@@ -7,6 +7,7 @@ elsewhere (pools, cooldowns, caches) are read at scrape time from callbacks.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import os
 import resource
@@ -164,6 +165,9 @@ class Metrics:
                               "Endpoints skipped after a failed connection.", ("role",))
         self.bootstrap_entries = Gauge("lowproxy_bootstrap_cache_entries",
                                        "Prefill endpoints with a cached bootstrap map.")
+        self.tasks = Gauge("lowproxy_asyncio_tasks",
+                           "asyncio tasks alive in this process (a leak shows here first).",
+                           read=lambda: [((), len(asyncio.all_tasks()))])
         self.client_connections.set(0)
         self.in_flight.set(0)
 
@@ -171,7 +175,7 @@ class Metrics:
         return [self.requests, self.prefill_legs, self.decode_legs, self.request_duration,
                 self.prefill_duration, self.decode_first_byte, self.bootstrap_duration,
                 self.client_connections, self.in_flight, self.upstream_connections,
-                self.cooldown, self.bootstrap_entries]
+                self.cooldown, self.bootstrap_entries, self.tasks]
 
     def render(self) -> bytes:
         lines: list[str] = []

@@ -26,12 +26,17 @@ from typing import Any, Awaitable, Callable
 
 import h11
 
+from .timeouts import deadline
+
 log = logging.getLogger("lowproxy.server")
 
 READ_SIZE = 64 * 1024
 # A handler waiting on a backend longer than this starts watching its client for
 # a hang-up; the many exchanges that end sooner never pay for the watcher task.
 WATCH_AFTER = 0.05
+# After refusing a request, how long and how much of its remaining input to drop.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 4 * 1024 * 1024
 # How long a closed connection may take to flush what it still has queued.
 CLOSE_GRACE = 10.0
 # Past this much unsent to a client, stop relaying until it catches up.
@@ -241,6 +246,7 @@ class ClientConnection:
         self._watch_later: asyncio.TimerHandle | None = None
         self._pending: list[bytes] = []
         self._head_bytes = 0
+        self._linger = False  # a refused request may still be arriving
         self._head_reads: list[bytes] | None = None  # this cycle's reads until its head
         self._task: asyncio.Task[Any] | None = None
 
@@ -399,7 +405,31 @@ class ClientConnection:
         finally:
             self._disarm()
             self._stop_watching()
+            if self._linger and not self.gone:
+                await self._linger_then_close()
             self.abort() if self.gone else self.close()
+
+    async def _linger_then_close(self) -> None:
+        """After refusing a request, read and drop what the client still sends.
+
+        Closing a socket with unread input makes the kernel send a reset, which
+        can reach the client before our 413 or 400 and hide it. So the write
+        side is shut (the client sees the end of the response), and input is
+        drained for a bounded time before the close (as Apache's lingering
+        close does).
+        """
+        try:
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            drained = 0
+            async with deadline(LINGER_SECONDS):
+                while drained < LINGER_BYTES:
+                    data = await self._read()
+                    if not data:
+                        break
+                    drained += len(data)
+        except (TimeoutError, ConnectionError, OSError, RuntimeError):
+            pass
 
     async def _cycle(self) -> bool:
         """One request and its response; False when the connection must end."""
@@ -545,7 +575,8 @@ class ClientConnection:
         try:
             await self.send(data)
         except ClientGone:
-            pass
+            return
+        self._linger = True
 
 
 def _head_problem(reads: list[bytes], size: int, has_length: bool) -> str | None:

@@ -88,6 +88,7 @@ async def test_metrics_follow_a_known_sequence_of_requests():
         assert value(page, "lowproxy_decode_legs_total", outcome="unreachable") == 1
         assert value(page, "lowproxy_endpoints_in_cooldown", role="decode") == 1
         assert value(page, "lowproxy_requests_in_flight") == 0
+        assert value(page, "lowproxy_asyncio_tasks") >= 1
         assert value(page, "process_open_fds") > 0
         assert value(page, "process_resident_memory_bytes") > 0
         assert value(page, "lowproxy_requests_total", route="metrics", status="200") >= 1
