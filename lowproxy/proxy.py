@@ -257,7 +257,12 @@ class Proxy:
                     "message": "prefill failed: no usable prefill endpoint",
                     "type": "prefill_failed", "code": 502}})
                 return
-        response = await self.handshake(self, exchange, body, prefill)
+        exchange.handshake = self.config.kv_protocol
+        if prefill is None:  # no prefill configured: decode computes the prompt itself
+            response = await send_decode(self, exchange, b"POST", request.target,
+                                         serialise(body))
+        else:
+            response = await self.handshake(self, exchange, body, prefill)
         del body  # the handshake's frames are gone; so is every copy of the prompt
         if response is not None:
             await relay_decode(self, exchange, response)

@@ -11,7 +11,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from .. import logs
-from ..exchange import Exchange, answer_prefill_failed, log, recompute, send_decode
+from ..exchange import Exchange, answer_prefill_failed, log, recompute
 from ..upstream import Endpoint, UpstreamResponse
 from .bootstrap import BootstrapError
 from .concurrent import run_concurrent
@@ -24,11 +24,7 @@ RANK_HEADER = b"X-data-parallel-rank"
 
 
 async def run(proxy: "Proxy", exchange: Exchange, body: Body,
-              prefill: Endpoint | None) -> UpstreamResponse | None:
-    exchange.handshake = "mooncake"
-    if prefill is None:
-        return await send_decode(proxy, exchange, b"POST", exchange.request.target,
-                                 serialise(body))
+              prefill: Endpoint) -> UpstreamResponse | None:
     try:
         engines = await proxy.bootstrap.engines(prefill)
     except BootstrapError as exc:

@@ -19,20 +19,18 @@ if TYPE_CHECKING:
 
 
 async def run(proxy: "Proxy", exchange: Exchange, body: Body,
-              prefill: Endpoint | None) -> UpstreamResponse | None:
+              prefill: Endpoint) -> UpstreamResponse | None:
     """Both legs in turn; decode's opened response, or None when the client has its answer."""
-    exchange.handshake = "relay"
-    decode_body = body
-    if prefill is not None:
-        result = await prefill_leg(proxy, exchange, prefill, path_of(exchange),
-                                   serialise(relay_prefill_body(body)), [], want_kv=True)
-        if result.ok:
-            decode_body = relay_decode_body(body, result.kv_transfer_params)
-        elif proxy.config.on_prefill_failure == "error":
-            await answer_prefill_failed(proxy, exchange, result.detail)
-            return None
-        else:
-            proxy.metrics.prefill_legs.inc("relay", "recompute")
+    result = await prefill_leg(proxy, exchange, prefill, path_of(exchange),
+                               serialise(relay_prefill_body(body)), [], want_kv=True)
+    if result.ok:
+        decode_body = relay_decode_body(body, result.kv_transfer_params)
+    elif proxy.config.on_prefill_failure == "error":
+        await answer_prefill_failed(proxy, exchange, result.detail)
+        return None
+    else:
+        proxy.metrics.prefill_legs.inc("relay", "recompute")
+        decode_body = body
     return await send_decode(proxy, exchange, b"POST", exchange.request.target,
                              serialise(decode_body))
 

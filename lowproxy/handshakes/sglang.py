@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING
 
-from ..exchange import Exchange, send_decode
+from ..exchange import Exchange
 from ..upstream import Endpoint, UpstreamResponse
 from .concurrent import run_concurrent
 from .legs import Body, serialise, sglang_body
@@ -17,11 +17,7 @@ _rooms = random.SystemRandom()
 
 
 async def run(proxy: "Proxy", exchange: Exchange, body: Body,
-              prefill: Endpoint | None) -> UpstreamResponse | None:
-    exchange.handshake = "sglang"
-    if prefill is None:
-        return await send_decode(proxy, exchange, b"POST", exchange.request.target,
-                                 serialise(body))
+              prefill: Endpoint) -> UpstreamResponse | None:
     port = prefill.spec.bootstrap_port or proxy.config.sglang_bootstrap_port
     room = _rooms.getrandbits(63)  # non-negative, fits SGLang's int64 room id
     shaped = serialise(sglang_body(body, prefill.bootstrap_host, port, room))
