@@ -20,7 +20,8 @@ from . import __version__, logs
 from .config import Config, ConfigError, load_config, parse_endpoint
 from .proxy import Proxy
 from .routes import HEALTH, METRICS, READY, classify
-from .server import ClientRequest, HttpServer, Limits, Responder
+from .messages import ClientRequest, Responder
+from .server import HttpServer, Limits
 from .tls import TrustUnavailable
 
 log = logging.getLogger("lowproxy")

@@ -27,7 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .server import AbortResponse, ClientRequest, HttpServer, Responder, json_body
+from .messages import AbortResponse, ClientRequest, Responder, json_body
+from .server import HttpServer
 
 MODEL = "demo-model"
 

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from . import logs
 from .handshakes.legs import serialise
 from .headers import relayed_response_headers
-from .server import AbortResponse, ClientGone, ClientRequest, Responder, error_body
+from .messages import AbortResponse, ClientGone, ClientRequest, Responder, error_body
 from .timeouts import deadline
 from .upstream import Endpoint, UpstreamError, UpstreamResponse
 

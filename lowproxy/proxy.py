@@ -27,7 +27,7 @@ from .handshakes.legs import BodyError, parse_client_body, serialise, wants_stre
 from .headers import forwarded_request_headers
 from .metrics import Metrics
 from .routes import ADMIN, GENERATION, HEALTH, METRICS, PASSTHROUGH, READY, classify
-from .server import ClientRequest, Responder
+from .messages import ClientRequest, Responder
 from .tls import TrustStore
 from .tracing import Tracing
 from .upstream import Endpoint, Resolver, Upstream, system_resolver

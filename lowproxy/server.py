@@ -16,17 +16,20 @@ response never looks complete.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import socket
 import ssl as ssl_module
 from dataclasses import dataclass
-from http import HTTPStatus
 from typing import Any, Awaitable, Callable
 
 import h11
 
+from .messages import (REASONS, AbortResponse, ClientGone, ClientRequest, Responder,
+                       canned_response, error_body, json_body)
 from .timeouts import deadline
+
+__all__ = ["AbortResponse", "ClientGone", "ClientRequest", "HttpServer", "Limits", "Responder",
+           "canned_response", "error_body", "json_body"]
 
 log = logging.getLogger("lowproxy.server")
 
@@ -39,10 +42,7 @@ LINGER_SECONDS = 2.0
 LINGER_BYTES = 4 * 1024 * 1024
 # How long a closed connection may take to flush what it still has queued.
 CLOSE_GRACE = 10.0
-# Past this much unsent to a client, stop relaying until it catches up.
-WRITE_HIGH_WATER = 64 * 1024
 ALLOWED_METHODS = (b"GET", b"POST", b"HEAD", b"OPTIONS")
-_REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 
 
 @dataclass(frozen=True)
@@ -52,173 +52,6 @@ class Limits:
     header_timeout: float = 30.0
     keepalive_timeout: float = 75.0
     max_connections: int = 10000
-
-
-class ClientGone(Exception):
-    """The client closed its connection or stopped accepting our bytes."""
-
-
-class AbortResponse(Exception):
-    """Raised by a handler to cut the response short: the connection closes with
-    what was sent so far (no final chunk), so the client sees a truncated body."""
-
-
-class ClientRequest:
-    __slots__ = ("method", "target", "path", "headers", "body", "http_version")
-
-    def __init__(self, method: bytes, target: bytes, headers: list[tuple[bytes, bytes]],
-                 body: bytes, http_version: bytes) -> None:
-        self.method = method
-        self.target = target  # path and query exactly as received
-        path = target.split(b"?", 1)[0]
-        self.path = path.decode("latin-1")
-        self.headers = headers  # lowercased names, raw values, in order
-        self.body = body
-        self.http_version = http_version
-
-    def header(self, name: bytes) -> bytes | None:
-        for key, value in self.headers:
-            if key == name:
-                return value
-        return None
-
-
-def json_body(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
-
-
-def error_body(status: int, message: str, kind: str) -> bytes:
-    return json_body({"error": {"message": message, "type": kind, "code": status}})
-
-
-def canned_response(status: int, body: bytes, extra: bytes = b"") -> bytes:
-    """A whole response written without h11, for sockets h11 can no longer serve."""
-    return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n%s\r\n" % (status, _REASONS.get(status, b""), len(body), extra)
-            ) + body
-
-
-class Responder:
-    """How a handler answers: start (status, headers), write chunks, end.
-
-    Framing is the server's: a ``content_length`` passed to ``start`` is kept and
-    enforced, otherwise the body is chunked (HTTP/1.1) or close-delimited
-    (HTTP/1.0). Bytes are collected and written in as few syscalls as the
-    handler allows: ``buffer`` only collects, ``flush`` writes what was
-    collected, ``write`` and ``end`` flush and wait while the client is slow.
-    """
-
-    __slots__ = ("_conn", "started", "ended", "status", "bytes_out", "_head", "_chunked",
-                 "_out")
-
-    def __init__(self, conn: "ClientConnection", head: bool) -> None:
-        self._conn = conn
-        self._head = head
-        self.started = False
-        self.ended = False
-        self.status = 0
-        self.bytes_out = 0
-        self._chunked = False
-        self._out: list[bytes] = []
-
-    async def start(self, status: int, headers: list[tuple[bytes, bytes]],
-                    content_length: int | None = None) -> None:
-        """Begin the response; its head goes out with the first flush."""
-        headers = list(headers)
-        if content_length is not None:
-            headers.append((b"content-length", str(content_length).encode()))
-        conn = self._conn
-        if conn.server.draining:
-            headers.append((b"connection", b"close"))
-        self.started = True
-        self.status = status
-        event = h11.Response(status_code=status, headers=headers,
-                             reason=_REASONS.get(status, b""))
-        self._out.append(conn.h11.send(event))
-        # h11 chunks a 1.1 response that has no length (RFC 9112 6.1); we then
-        # frame chunks ourselves, which is all h11's chunked writer does, at a
-        # fraction of the cost per chunk. Other framings go through h11.
-        self._chunked = (content_length is None and conn.h11.their_http_version == b"1.1"
-                         and not self._head and status >= 200 and status not in (204, 304))
-
-    def buffer(self, data: bytes) -> None:
-        """Collect one piece of the body; nothing is written yet."""
-        if not data or self._head:
-            return
-        self.bytes_out += len(data)
-        if self._chunked:
-            self._out.append(b"%x\r\n%s\r\n" % (len(data), data))
-        else:
-            self._out.append(self._conn.h11.send(h11.Data(data=data)))
-
-    def flush(self) -> None:
-        """Write what was collected, in one syscall, without waiting."""
-        out = self._out
-        if out:
-            data = out[0] if len(out) == 1 else b"".join(out)
-            out.clear()
-            self._conn.write(data)
-
-    async def write(self, data: bytes) -> None:
-        self.buffer(data)
-        self.flush()
-        await self._conn.drain()
-
-    async def end(self) -> None:
-        self.ended = True
-        self._out.append(self._conn.h11.send(h11.EndOfMessage()))
-        self.flush()
-        await self._conn.drain()
-
-    @property
-    def client_is_slow(self) -> bool:
-        """More is queued for the client than its socket takes: wait (back-pressure)."""
-        return self._conn.transport.get_write_buffer_size() > WRITE_HIGH_WATER
-
-    async def wait_for_client(self) -> None:
-        await self._conn.drain()
-
-    async def send_bytes(self, status: int, body: bytes,
-                         headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        """A whole small response: one write, one drain."""
-        headers = [(b"content-type", b"application/json")] if headers is None else headers
-        headers.append((b"content-length", str(len(body)).encode()))
-        if self._conn.server.draining:
-            headers.append((b"connection", b"close"))
-        self.started = True
-        self.ended = True
-        self.status = status
-        if self._head:
-            body = b""
-        self.bytes_out += len(body)
-        conn = self._conn.h11
-        out = conn.send(h11.Response(status_code=status, headers=headers,
-                                     reason=_REASONS.get(status, b"")))
-        if body:
-            out += conn.send(h11.Data(data=body))
-        out += conn.send(h11.EndOfMessage())
-        await self._conn.send(out)
-
-    async def send_json(self, status: int, obj: Any,
-                        headers: list[tuple[bytes, bytes]] | None = None) -> None:
-        extra = [(b"content-type", b"application/json")]
-        if headers:
-            extra.extend(headers)
-        await self.send_bytes(status, json_body(obj), extra)
-
-    def drop(self) -> None:
-        """Close the connection at once, with no (further) response bytes."""
-        self.ended = False
-        self._conn.gone = True
-        self._conn.abort()
-
-    def watch_client(self) -> None:
-        """Notice a client that hangs up while the handler waits (see ClientConnection)."""
-        self._conn.watch_client()
-
-    @property
-    def client_gone(self) -> bool:
-        return self._conn.gone
 
 
 Handler = Callable[[ClientRequest, Responder], Awaitable[None]]
@@ -433,6 +266,13 @@ class ClientConnection:
 
     async def _cycle(self) -> bool:
         """One request and its response; False when the connection must end."""
+        request = await self._receive_request()
+        if request is None:
+            return False
+        return await self._respond(request)
+
+    async def _receive_request(self) -> ClientRequest | None:
+        """The next request, head checked and body read; None once refused or closed."""
         conn = self.h11
         limits = self.server.limits
         leftover = conn.trailing_data[0]
@@ -442,63 +282,19 @@ class ClientConnection:
             event = await self._next_event()
             head_reads, self._head_reads = self._head_reads, None
             if isinstance(event, h11.ConnectionClosed):
-                return False
+                return None
             assert isinstance(event, h11.Request), event
-            if event.http_version not in (b"1.0", b"1.1"):
-                await self._reject(505, "HTTP version not supported", "bad_request")
-                return False
-            if event.method not in ALLOWED_METHODS:
-                await self._reject(405, "method not allowed", "method_not_allowed",
-                                   [(b"allow", b", ".join(ALLOWED_METHODS))])
-                return False
             # h11 parses a head that arrived whole whatever its size; its own
             # limit only bounds a head still incomplete. Measure what it consumed.
             head_size = self._head_bytes - len(conn.trailing_data[0])
-            if head_size > limits.max_header_bytes:
-                await self._reject(431, "request header fields too large", "header_too_large")
-                return False
-            declared = None
-            chunked = False
-            for name, value in event.headers:
-                if name == b"content-length":
-                    declared = int(value)
-                elif name == b"transfer-encoding":
-                    chunked = True
-            if declared is not None and chunked:
-                # RFC 9112 6.3: a request smuggling vector; h11 would take chunked.
-                await self._reject(400, "Content-Length with Transfer-Encoding",
-                                   "bad_request")
-                return False
-            if chunked and event.http_version == b"1.0":
-                # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty
-                # framing (a 1.0 hop before us may have framed it otherwise).
-                await self._reject(400, "Transfer-Encoding in HTTP/1.0", "bad_request")
-                return False
-            problem = _head_problem(head_reads or [b""], head_size, declared is not None)
-            if problem:
-                await self._reject(400, f"malformed request: {problem}", "bad_request")
-                return False
-            if declared is not None and declared > limits.max_body_bytes:
-                await self._reject(413, "request body too large", "request_too_large")
-                return False
+            refusal = _refusal(event, head_reads or [b""], head_size, limits)
+            if refusal is not None:
+                await self._reject(*refusal)
+                return None
             if conn.client_is_waiting_for_100_continue:
                 await self.send(conn.send(h11.InformationalResponse(
                     status_code=100, headers=[], reason=b"Continue")))
-            self._arm("body", limits.header_timeout)
-            parts: list[bytes] = []
-            size = 0
-            while True:
-                body_event = await self._next_event()
-                if isinstance(body_event, h11.Data):
-                    size += len(body_event.data)
-                    if size > limits.max_body_bytes:
-                        await self._reject(413, "request body too large", "request_too_large")
-                        return False
-                    parts.append(body_event.data)
-                elif isinstance(body_event, h11.EndOfMessage):
-                    break
-                else:  # ConnectionClosed mid-body
-                    return False
+            body = await self._receive_body()
         except h11.RemoteProtocolError as exc:
             status = exc.error_status_hint
             if status >= 500:
@@ -506,20 +302,43 @@ class ClientConnection:
                 # 6.1). The request cannot be framed, which is the client's fault:
                 # nothing a client sends may earn a 5xx other than 505.
                 status = 400
-            message = str(exc) or "malformed request"
             if status == 431:
                 await self._reject(431, "request header fields too large", "header_too_large")
             else:
-                await self._reject(status, f"malformed request: {message}", "bad_request")
-            return False
+                await self._reject(status, f"malformed request: {str(exc) or 'unreadable'}",
+                                   "bad_request")
+            return None
+        if body is None:
+            return None
         self._disarm()
-        # h11 hands out bytearrays; a request body is immutable bytes from here on
-        # (httpcore sends only bytes as a body: a GET's body is forwarded as is).
-        request = ClientRequest(event.method, event.target, list(event.headers),
-                                bytes(parts[0]) if len(parts) == 1 else b"".join(parts),
-                                event.http_version)
-        del parts  # the handler owns the body now (and may drop it)
-        responder = Responder(self, head=event.method == b"HEAD")
+        return ClientRequest(event.method, event.target, list(event.headers), body,
+                             event.http_version)
+
+    async def _receive_body(self) -> bytes | None:
+        """The whole body, bounded; None once refused (413) or the client left."""
+        limits = self.server.limits
+        self._arm("body", limits.header_timeout)
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            event = await self._next_event()
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > limits.max_body_bytes:
+                    await self._reject(413, "request body too large", "request_too_large")
+                    return None
+                parts.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                # h11 hands out bytearrays; a body is immutable bytes from here on
+                # (httpcore sends only bytes: a GET's body is forwarded as is).
+                return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+            else:  # ConnectionClosed mid-body
+                return None
+
+    async def _respond(self, request: ClientRequest) -> bool:
+        """Run the handler; True when the connection can serve another request."""
+        conn = self.h11
+        responder = Responder(self, head=request.method == b"HEAD")
         self.busy = True
         try:
             await self.server.handler(request, responder)
@@ -534,12 +353,11 @@ class ClientConnection:
                     502, error_body(502, "bad gateway", "upstream_error"))
             return False
         except Exception:
-            log.exception("handler failed on %s %s", event.method.decode(), request.path)
-            if not responder.started:
-                await responder.send_bytes(
-                    500, error_body(500, "internal proxy error", "internal_error"))
-            else:
+            log.exception("handler failed on %s %s", request.method.decode(), request.path)
+            if responder.started:
                 return False
+            await responder.send_bytes(
+                500, error_body(500, "internal proxy error", "internal_error"))
         finally:
             self.busy = False
             if self._watch_later is not None:
@@ -561,7 +379,7 @@ class ClientConnection:
         extra = b"".join(name + b": " + value + b"\r\n" for name, value in headers or ())
         if self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
             try:
-                response = h11.Response(status_code=status, reason=_REASONS.get(status, b""),
+                response = h11.Response(status_code=status, reason=REASONS.get(status, b""),
                                         headers=[(b"content-type", b"application/json"),
                                                  (b"content-length", str(len(body)).encode()),
                                                  (b"connection", b"close"),
@@ -577,6 +395,38 @@ class ClientConnection:
         except ClientGone:
             return
         self._linger = True
+
+
+def _refusal(event: h11.Request, head_reads: list[bytes], head_size: int,
+             limits: Limits) -> tuple[Any, ...] | None:
+    """Why a parsed request head is refused, as _reject's arguments; None to serve it."""
+    if event.http_version not in (b"1.0", b"1.1"):
+        return 505, "HTTP version not supported", "bad_request"
+    if event.method not in ALLOWED_METHODS:
+        return (405, "method not allowed", "method_not_allowed",
+                [(b"allow", b", ".join(ALLOWED_METHODS))])
+    if head_size > limits.max_header_bytes:
+        return 431, "request header fields too large", "header_too_large"
+    declared = None
+    chunked = False
+    for name, value in event.headers:
+        if name == b"content-length":
+            declared = int(value)
+        elif name == b"transfer-encoding":
+            chunked = True
+    if declared is not None and chunked:
+        # RFC 9112 6.3: a request smuggling vector; h11 would take chunked.
+        return 400, "Content-Length with Transfer-Encoding", "bad_request"
+    if chunked and event.http_version == b"1.0":
+        # RFC 9112 6.1: an HTTP/1.0 message with Transfer-Encoding has faulty
+        # framing (a 1.0 hop before us may have framed it otherwise).
+        return 400, "Transfer-Encoding in HTTP/1.0", "bad_request"
+    problem = _head_problem(head_reads, head_size, declared is not None)
+    if problem:
+        return 400, f"malformed request: {problem}", "bad_request"
+    if declared is not None and declared > limits.max_body_bytes:
+        return 413, "request body too large", "request_too_large"
+    return None
 
 
 def _head_problem(reads: list[bytes], size: int, has_length: bool) -> str | None:
