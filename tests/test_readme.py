@@ -1,0 +1,28 @@
+"""The README's promises that can go stale: the configuration reference and set-up commands."""
+
+from __future__ import annotations
+
+import os
+import re
+
+from lowproxy.config import SETTINGS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+
+
+def test_every_setting_is_in_the_configuration_reference():
+    for setting in SETTINGS:
+        row = re.search(rf"^\| `{setting.env}` \| `{re.escape(setting.flag)}` \| `([^`]*)` \|",
+                        README, re.M)
+        assert row, f"{setting.env} missing from the README's configuration table"
+        assert row.group(1) == (setting.default or "(empty)"), setting.env
+
+
+def test_ci_runs_the_readme_test_command():
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    command = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && " \
+              ".venv/bin/python -m pytest"
+    assert command in README and command in ci
+    assert "python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/lowproxy --demo" \
+        in README
