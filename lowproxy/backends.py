@@ -74,6 +74,17 @@ class BackendGroup:
                 return endpoint
         return None
 
+    def soonest_usable(self) -> Endpoint | None:
+        """With every endpoint cooling down, the one whose cooldown ends first.
+
+        A cooldown only prefers the others. With none left, skipping would turn
+        one refused connection into seconds of outage, and behind a Service VIP
+        (one URL, many pods) the next connection may well reach a live pod.
+        """
+        if not self.endpoints:
+            return None
+        return min(self.endpoints, key=lambda endpoint: endpoint.cooldown_until)
+
     @staticmethod
     def cool_down(endpoint: Endpoint) -> None:
         endpoint.cooldown_until = time.monotonic() + COOLDOWN_SECONDS

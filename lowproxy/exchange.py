@@ -83,12 +83,8 @@ async def open_decode(proxy: "Proxy", exchange: Exchange, method: bytes, target:
     last_error = "no decode backend configured"
     while True:
         endpoint = proxy.decode.pick_least_loaded(tried)
-        if endpoint is None and not tried and proxy.decode.endpoints:
-            # Every endpoint is cooling down. Answering 503 untried would turn one
-            # refused connection into seconds of outage, and behind a Service VIP
-            # (the GCO deployment: one decode URL) the next connection may reach
-            # another pod: try the endpoint whose cooldown ends first.
-            endpoint = min(proxy.decode.endpoints, key=lambda e: e.cooldown_until)
+        if endpoint is None and not tried:
+            endpoint = proxy.decode.soonest_usable()  # all cooling down: try one anyway
         if endpoint is None:
             raise NoDecodeBackend(last_error)
         try:

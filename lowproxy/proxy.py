@@ -312,12 +312,8 @@ class Proxy:
             if targets:
                 return self._header_target(random.choice(targets))
         endpoint = self.prefill.pick_round_robin()
-        if endpoint is None and self.prefill.endpoints:
-            # Every prefill is cooling down. A cooldown only prefers the others; with
-            # none left, skipping would turn one refused connection into seconds of
-            # recomputes (or 502s), and behind a Service VIP the next connection may
-            # reach another pod: try the one whose cooldown ends first.
-            endpoint = min(self.prefill.endpoints, key=lambda e: e.cooldown_until)
+        if endpoint is None:
+            endpoint = self.prefill.soonest_usable()  # all cooling down: try one anyway
         return endpoint
 
     def _header_target(self, key: tuple[str, int]) -> Endpoint:
