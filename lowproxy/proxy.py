@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import os
 import random
 import time
 import uuid
@@ -26,10 +25,10 @@ from .handshakes.bootstrap import BootstrapCache
 from .handshakes.legs import BodyError, parse_client_body, serialise, wants_stream, without_client_kv
 from .headers import forwarded_request_headers
 from .metrics import Metrics
-from .routes import ADMIN, GENERATION, HEALTH, METRICS, PASSTHROUGH, READY, classify
+from .routes import ADMIN, GENERATION, HEALTH, METRICS, READY, classify
 from .messages import ClientRequest, Responder
 from .tls import TrustStore
-from .tracing import Tracing
+from .tracing import Tracing, trace_context
 from .upstream import Endpoint, Resolver, Upstream, system_resolver
 
 log = logging.getLogger("lowproxy")
@@ -151,26 +150,8 @@ class Proxy:
         if request_id is None:
             request_id = uuid.uuid4().hex.encode()
             upstream_headers.append((b"x-request-id", request_id))
-        trace_id = None
-        traceparent = request.header(b"traceparent")
-        tracestate = request.header(b"tracestate")
-        span = None
-        if self.tracing is not None:
-            span = self.tracing.server_span(traceparent, tracestate,
-                                            request.method.decode("latin-1"), request.path,
-                                            time.time_ns())
-            traceparent, trace_id = self.tracing.traceparent_of(span)
-        elif traceparent is not None:
-            parts = traceparent.split(b"-")
-            if len(parts) >= 4:
-                trace_id = parts[1].decode("latin-1")
-        elif self.config.trace:
-            trace_id = os.urandom(16).hex()
-            traceparent = f"00-{trace_id}-{os.urandom(8).hex()}-01".encode()
-        if traceparent is not None:
-            upstream_headers.append((b"traceparent", traceparent))
-            if tracestate is not None:
-                upstream_headers.append((b"tracestate", tracestate))
+        trace_id, span = trace_context(request, upstream_headers, self.config.trace,
+                                       self.tracing)
         exchange = Exchange(request, responder, route, request_id.decode("latin-1"),
                             upstream_headers, trace_id)
         exchange.span = span

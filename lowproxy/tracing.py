@@ -12,12 +12,43 @@ upstream is the server span's, so backend spans nest under it.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Any
 
 log = logging.getLogger("lowproxy.tracing")
 
 PREFIX = "llm_d.pd_proxy"
+
+
+def trace_context(request: Any, upstream_headers: list[tuple[bytes, bytes]],
+                  start_traces: bool, tracing: "Tracing | None") -> tuple[str | None, Any]:
+    """W3C trace context for both legs: the trace id to log, and the server span if any.
+
+    The client's traceparent/tracestate reach both legs (the server span's own
+    traceparent when spans are on); PD_PROXY_TRACE=1 starts a trace for a
+    request that carries none. Appends to ``upstream_headers``.
+    """
+    traceparent = request.header(b"traceparent")
+    tracestate = request.header(b"tracestate")
+    trace_id = None
+    span = None
+    if tracing is not None:
+        span = tracing.server_span(traceparent, tracestate, request.method.decode("latin-1"),
+                                   request.path, time.time_ns())
+        traceparent, trace_id = tracing.traceparent_of(span)
+    elif traceparent is not None:
+        parts = traceparent.split(b"-")
+        if len(parts) >= 4:
+            trace_id = parts[1].decode("latin-1")
+    elif start_traces:
+        trace_id = os.urandom(16).hex()
+        traceparent = f"00-{trace_id}-{os.urandom(8).hex()}-01".encode()
+    if traceparent is not None:
+        upstream_headers.append((b"traceparent", traceparent))
+        if tracestate is not None:
+            upstream_headers.append((b"tracestate", tracestate))
+    return trace_id, span
 
 
 class Tracing:

@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any, AsyncIterator, Iterable
 
@@ -368,8 +369,6 @@ def follow_output(daemon: Daemon) -> "threading.Thread":
     log line; call this after ``wait_listening`` in long tests, and join the
     thread after the daemon exits before reading ``daemon.output()``.
     """
-    import threading
-
     assert daemon.proc.stderr is not None
     stderr = daemon.proc.stderr
 
