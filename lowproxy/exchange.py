@@ -135,11 +135,12 @@ async def relay_response(proxy: "Proxy", exchange: Exchange, response: UpstreamR
     # waited for, which stops reading from decode (back-pressure).
     response.before_wait(responder.flush)
     try:
-        async for chunk in response.body_chunks():
+        async for batch in response.body_batches():
             if exchange.first_byte_ms is None:
                 exchange.first_byte_ms = exchange.elapsed_ms()
                 metrics.decode_first_byte.observe(exchange.first_byte_ms / 1000.0)
-            responder.buffer(chunk)
+            for chunk in batch:
+                responder.buffer(chunk)
             if responder.client_is_slow:
                 responder.flush()
                 await responder.wait_for_client()

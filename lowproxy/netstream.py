@@ -107,7 +107,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         self._unsent: list[bytes] = []
         # While set, a read returns nothing past the blank line that ends a
         # response head, so h11 never holds body bytes and the body can be
-        # read from this stream directly (see UpstreamResponse.body_chunks).
+        # read from this stream directly (see UpstreamResponse.body_batches).
         self.head_only = False
         self._head_tail = b""
         self._injected = b""

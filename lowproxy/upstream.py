@@ -139,7 +139,7 @@ class UpstreamResponse:
         self._response = response
         self._complete = False
         self._closed = False
-        # A chunked body (a stream) is decoded here, not by h11: see body_chunks.
+        # A chunked body (a stream) is decoded here, not by h11: see body_batches.
         self._chunked = (method != b"HEAD" and self.status >= 200
                          and self.status not in (204, 304)
                          and any(name.lower() == b"transfer-encoding"
@@ -151,23 +151,25 @@ class UpstreamResponse:
         if stream is not None:
             stream.before_wait = callback
 
-    async def body_chunks(self) -> AsyncIterator[bytes]:
-        """The body's bytes as they arrive (de-chunked, never decompressed).
+    async def body_batches(self) -> AsyncIterator[list[bytes]]:
+        """The body as it arrives, in batches: the pieces one network read brought.
 
-        A chunked body is read straight from the connection and decoded by
-        ChunkedDecoder: per SSE event that is a find and a slice, where h11
-        costs an event and a state-machine step. h11 saw only the head (the
-        stream was head_only), so once the last chunk is in, h11 is handed the
-        bare terminating chunk and completes the exchange as if it had read the
-        body itself; the connection then goes back to the pool as usual.
+        De-chunked, never decompressed. Batches rather than pieces because a
+        fast decode sends dozens of SSE events per read, and a relay handles a
+        batch in one step. A chunked body is read straight from the connection
+        and decoded by ChunkedDecoder: per SSE event that is a find and a slice,
+        where h11 costs an event and a state-machine step. h11 saw only the head
+        (the stream was head_only), so once the last chunk is in, h11 is handed
+        the bare terminating chunk and completes the exchange as if it had read
+        the body itself; the connection then goes back to the pool as usual.
         """
         try:
             if self._chunked and self._pooled.stream is not None:
-                async for chunk in self._decode_chunked(self._pooled.stream):
-                    yield chunk
+                async for batch in self._decode_chunked(self._pooled.stream):
+                    yield batch
             else:
                 async for chunk in self._response.stream:  # type: ignore[union-attr]
-                    yield chunk
+                    yield [chunk]
         except httpcore.TimeoutException as exc:
             raise UpstreamError("timeout", f"reading from {self.endpoint.label}: {exc}",
                                 self.endpoint) from None
@@ -176,7 +178,7 @@ class UpstreamResponse:
                                 f"{exc or type(exc).__name__}", self.endpoint) from None
         self._complete = True
 
-    async def _decode_chunked(self, stream: AsyncioStream) -> AsyncIterator[bytes]:
+    async def _decode_chunked(self, stream: AsyncioStream) -> AsyncIterator[list[bytes]]:
         decoder = ChunkedDecoder()
         while not decoder.done:
             data = await stream.read(READ_SIZE)
@@ -186,8 +188,8 @@ class UpstreamResponse:
                 pieces = decoder.feed(data)
             except ChunkedError as exc:
                 raise httpcore.RemoteProtocolError(str(exc)) from None
-            for piece in pieces:
-                yield piece
+            if pieces:
+                yield pieces
         if decoder.leftover:
             # Bytes after the body: this connection cannot be trusted again.
             raise httpcore.RemoteProtocolError("data after the end of the body")
@@ -199,12 +201,13 @@ class UpstreamResponse:
         """The whole body, at most ``limit`` bytes (more is a protocol error)."""
         parts: list[bytes] = []
         size = 0
-        async for chunk in self.body_chunks():
-            size += len(chunk)
+        async for batch in self.body_batches():
+            for chunk in batch:
+                size += len(chunk)
+                parts.append(chunk)
             if size > limit:
                 raise UpstreamError("protocol", f"{self.endpoint.label} answered more than "
                                     f"{limit} bytes", self.endpoint)
-            parts.append(chunk)
         return b"".join(parts)
 
     async def aclose(self) -> None:
