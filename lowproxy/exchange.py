@@ -209,7 +209,7 @@ async def relay_decode(proxy: "Proxy", exchange: Exchange, response: UpstreamRes
         await decode_timed_out(proxy, exchange)
     except (asyncio.CancelledError, ClientGone) as exc:
         if isinstance(exc, ClientGone) or exchange.responder.client_gone:
-            proxy.metrics.decode_legs.inc("client_gone")
+            proxy.metrics.decode_legs.inc("client-gone")
         raise
     finally:
         await response.aclose()

@@ -144,7 +144,8 @@ class Metrics:
             ("handshake", "outcome"))
         self.decode_legs = Counter(
             "lowproxy_decode_legs_total",
-            "Decode legs by outcome (ok, unreachable, truncated, client_gone).", ("outcome",))
+            "Decode legs by outcome (ok, unreachable, error, timeout, truncated, client-gone).",
+            ("outcome",))
         self.request_duration = Histogram("lowproxy_request_duration_seconds",
                                           "Whole client request duration.", ("route",))
         self.prefill_duration = Histogram("lowproxy_prefill_duration_seconds",

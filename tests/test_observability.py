@@ -83,7 +83,7 @@ async def test_metrics_follow_a_known_sequence_of_requests():
         assert value(page, "lowproxy_prefill_legs_total", handshake="relay",
                      outcome="recompute") == 1
         assert value(page, "lowproxy_decode_legs_total", outcome="ok") == 2
-        assert value(page, "lowproxy_decode_legs_total", outcome="client_gone") == 1
+        assert value(page, "lowproxy_decode_legs_total", outcome="client-gone") == 1
         assert value(page, "lowproxy_decode_legs_total", outcome="unreachable") == 1
         assert value(page, "lowproxy_endpoints_in_cooldown", role="decode") == 1
         assert value(page, "lowproxy_requests_in_flight") == 0
