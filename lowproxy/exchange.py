@@ -130,20 +130,21 @@ async def relay_response(proxy: "Proxy", exchange: Exchange, response: UpstreamR
                     else content_type))
     await responder.start(response.status, relayed, content_length)
     metrics = proxy.metrics
-    # Chunks are collected and written when upstream has nothing more for the
-    # moment (one syscall per burst, not per SSE event); a slow client is
-    # waited for, which stops reading from decode (back-pressure).
-    response.before_wait(responder.flush)
+
+
+    def deliver(pieces: list[bytes]) -> bool:
+        # What one read from decode brought goes out in one write; a slow
+        # client makes the relay stop reading from decode (back-pressure).
+        if exchange.first_byte_ms is None:
+            exchange.first_byte_ms = exchange.elapsed_ms()
+            metrics.decode_first_byte.observe(exchange.first_byte_ms / 1000.0)
+        for piece in pieces:
+            responder.buffer(piece)
+        responder.flush()
+        return responder.client_is_slow
+
     try:
-        async for batch in response.body_batches():
-            if exchange.first_byte_ms is None:
-                exchange.first_byte_ms = exchange.elapsed_ms()
-                metrics.decode_first_byte.observe(exchange.first_byte_ms / 1000.0)
-            for chunk in batch:
-                responder.buffer(chunk)
-            if responder.client_is_slow:
-                responder.flush()
-                await responder.wait_for_client()
+        await response.deliver_body(deliver, responder.wait_for_client)
     except UpstreamError as exc:
         metrics.decode_legs.inc("truncated")
         logs.warn(log, f"decode broke off its response after {responder.bytes_out} bytes; "

@@ -14,7 +14,7 @@ import asyncio
 import re
 import socket
 import ssl
-from typing import Any, Callable
+from typing import Any
 
 import httpcore
 
@@ -30,7 +30,7 @@ WRITE_COALESCE = 64 * 1024
 
 class _StreamProtocol(asyncio.Protocol):
     __slots__ = ("transport", "chunks", "size", "eof", "error", "reader", "writer",
-                 "reading_paused", "writing_paused", "loop")
+                 "reading_paused", "writing_paused", "loop", "sink")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -43,11 +43,17 @@ class _StreamProtocol(asyncio.Protocol):
         self.writer: asyncio.Future[None] | None = None
         self.reading_paused = False
         self.writing_paused = False
+        # While a body is relayed straight from this connection (see
+        # AsyncioStream.attach), arriving bytes go to the sink, not the buffer.
+        self.sink: Any = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.sink is not None:
+            self.sink.data_received(data)
+            return
         self.chunks.append(data)
         self.size += len(data)
         if self.size > READ_HIGH_WATER and not self.reading_paused:
@@ -57,12 +63,16 @@ class _StreamProtocol(asyncio.Protocol):
 
     def eof_received(self) -> bool:
         self.eof = True
+        if self.sink is not None:
+            self.sink.connection_closed(None)
         self._wake_reader()
         return False  # close our side too: HTTP/1.1 has no use for half-open
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.eof = True
         self.error = exc
+        if self.sink is not None:
+            self.sink.connection_closed(exc)
         self._wake_reader()
         writer, self.writer = self.writer, None
         if writer is not None and not writer.done():
@@ -91,16 +101,12 @@ def _expire(future: asyncio.Future[None]) -> None:
 class AsyncioStream(httpcore.AsyncNetworkStream):
     """httpcore's network stream interface over one asyncio transport."""
 
-    __slots__ = ("_protocol", "_transport", "before_wait", "_unsent", "head_only",
-                 "_head_tail", "_injected")
+    __slots__ = ("_protocol", "_transport", "_unsent", "head_only", "_head_tail",
+                 "_injected")
 
     def __init__(self, protocol: _StreamProtocol) -> None:
         self._protocol = protocol
         self._transport = protocol.transport
-        # Called when a read is about to wait for the network: a relay flushes
-        # what it collected then, so one burst from upstream is one write
-        # downstream, and nothing waits in a buffer while we wait too.
-        self.before_wait: Callable[[], None] | None = None
         # httpcore writes a request's head and body separately; both go out in
         # one segment when the response is first read. On loopback every send
         # also runs the peer's receive path, so a write saved is CPU saved.
@@ -125,6 +131,42 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         finally:
             timer.cancel()
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self._protocol.loop
+
+    @property
+    def at_eof(self) -> bool:
+        return self._protocol.eof
+
+    def attach(self, sink: Any) -> bytes:
+        """Send arriving bytes to ``sink`` (its data_received and connection_closed)
+        instead of buffering them; return what was already buffered."""
+        protocol = self._protocol
+        if self._unsent:
+            self._send_unsent()
+        pending = b"".join(protocol.chunks)
+        protocol.chunks.clear()
+        protocol.size = 0
+        protocol.sink = sink
+        self.resume_reading()
+        return pending
+
+    def detach(self) -> None:
+        self._protocol.sink = None
+
+    def pause_reading(self) -> None:
+        protocol = self._protocol
+        if not protocol.reading_paused and not protocol.eof:
+            protocol.reading_paused = True
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        protocol = self._protocol
+        if protocol.reading_paused and not protocol.eof:
+            protocol.reading_paused = False
+            self._transport.resume_reading()
+
     def inject(self, data: bytes) -> None:
         """Bytes the next read returns before anything from the network."""
         self._injected += data
@@ -139,8 +181,6 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         if not protocol.chunks:
             if protocol.eof:
                 return b""
-            if self.before_wait is not None:
-                self.before_wait()
             try:
                 await self._wait("reader", timeout)
             except TimeoutError:

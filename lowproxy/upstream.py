@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 import httpcore
 
@@ -139,37 +139,28 @@ class UpstreamResponse:
         self._response = response
         self._complete = False
         self._closed = False
-        # A chunked body (a stream) is decoded here, not by h11: see body_batches.
+        # A chunked body (a stream) is decoded here, not by h11: see _relay_chunked.
         self._chunked = (method != b"HEAD" and self.status >= 200
                          and self.status not in (204, 304)
                          and any(name.lower() == b"transfer-encoding"
                                  for name, _ in response.headers))
 
-    def before_wait(self, callback: Callable[[], None] | None) -> None:
-        """Call ``callback`` whenever reading the body is about to wait for the network."""
-        stream = self._pooled.stream
-        if stream is not None:
-            stream.before_wait = callback
+    async def deliver_body(self, deliver: Deliver,
+                           wait_for_consumer: Callable[[], Awaitable[None]]) -> None:
+        """Hand the body to ``deliver`` as it arrives: de-chunked, never decompressed.
 
-    async def body_batches(self) -> AsyncIterator[list[bytes]]:
-        """The body as it arrives, in batches: the pieces one network read brought.
-
-        De-chunked, never decompressed. Batches rather than pieces because a
-        fast decode sends dozens of SSE events per read, and a relay handles a
-        batch in one step. A chunked body is read straight from the connection
-        and decoded by ChunkedDecoder: per SSE event that is a find and a slice,
-        where h11 costs an event and a state-machine step. h11 saw only the head
-        (the stream was head_only), so once the last chunk is in, h11 is handed
-        the bare terminating chunk and completes the exchange as if it had read
-        the body itself; the connection then goes back to the pool as usual.
+        ``deliver(pieces)`` gets the pieces one network read brought and answers
+        whether its consumer is slow; then reading pauses until
+        ``wait_for_consumer()`` returns (back-pressure). Raises UpstreamError when
+        the backend breaks off, or whatever ``deliver`` raised.
         """
         try:
             if self._chunked and self._pooled.stream is not None:
-                async for batch in self._decode_chunked(self._pooled.stream):
-                    yield batch
-            else:
-                async for chunk in self._response.stream:  # type: ignore[union-attr]
-                    yield [chunk]
+                await self._relay_chunked(self._pooled.stream, deliver, wait_for_consumer)
+                return
+            async for chunk in self._response.stream:  # type: ignore[union-attr]
+                if deliver([chunk]):
+                    await wait_for_consumer()
         except httpcore.TimeoutException as exc:
             raise UpstreamError("timeout", f"reading from {self.endpoint.label}: {exc}",
                                 self.endpoint) from None
@@ -178,36 +169,57 @@ class UpstreamResponse:
                                 f"{exc or type(exc).__name__}", self.endpoint) from None
         self._complete = True
 
-    async def _decode_chunked(self, stream: AsyncioStream) -> AsyncIterator[list[bytes]]:
-        decoder = ChunkedDecoder()
-        while not decoder.done:
-            data = await stream.read(READ_SIZE)
-            if not data:
-                raise httpcore.RemoteProtocolError("connection closed mid-body")
-            try:
-                pieces = decoder.feed(data)
-            except ChunkedError as exc:
-                raise httpcore.RemoteProtocolError(str(exc)) from None
-            if pieces:
-                yield pieces
-        if decoder.leftover:
-            # Bytes after the body: this connection cannot be trusted again.
-            raise httpcore.RemoteProtocolError("data after the end of the body")
+    async def _relay_chunked(self, stream: AsyncioStream, deliver: Deliver,
+                             wait_for_consumer: Callable[[], Awaitable[None]]) -> None:
+        """A chunked body (a stream), decoded and delivered as each read arrives.
+
+        The decoding runs in the connection's data_received callback: a token
+        that arrives costs a find, a slice and one write to the client, with no
+        task to wake. h11 saw only the head (the stream was head_only); once the
+        last chunk is in, it is handed the bare terminating chunk and completes
+        the exchange as if it had read the body itself, so the connection pools
+        as usual.
+        """
+        relay = _ChunkedRelay(stream, deliver)
+        pending = stream.attach(relay)
+        try:
+            if pending:
+                relay.data_received(pending)
+            if stream.at_eof:
+                relay.connection_closed(None)
+            while relay.error is None and not relay.decoder.done:
+                if relay.slow:
+                    relay.slow = False
+                    await wait_for_consumer()
+                    stream.resume_reading()
+                else:
+                    await relay.wait()
+        finally:
+            stream.detach()
+        if relay.error is not None:
+            raise relay.error
+        if relay.decoder.leftover or relay.stray:
+            return  # bytes after the body: delivered whole, but the connection retires
         stream.inject(b"0\r\n\r\n")
         async for _ in self._response.stream:  # type: ignore[union-attr]
             raise httpcore.RemoteProtocolError("h11 saw body data after the head")
+        self._complete = True
 
     async def read(self, limit: int) -> bytes:
         """The whole body, at most ``limit`` bytes (more is a protocol error)."""
         parts: list[bytes] = []
         size = 0
-        async for batch in self.body_batches():
-            for chunk in batch:
-                size += len(chunk)
-                parts.append(chunk)
+
+        def collect(pieces: list[bytes]) -> bool:
+            nonlocal size
+            parts.extend(pieces)
+            size += sum(len(piece) for piece in pieces)
             if size > limit:
                 raise UpstreamError("protocol", f"{self.endpoint.label} answered more than "
                                     f"{limit} bytes", self.endpoint)
+            return False
+
+        await self.deliver_body(collect, _never_waits)
         return b"".join(parts)
 
     async def aclose(self) -> None:
@@ -226,6 +238,68 @@ class UpstreamResponse:
         self._closed = True
         self.endpoint.in_flight -= 1
         self._upstream._discard(self.endpoint, self._pooled)
+
+
+Deliver = Callable[[list[bytes]], bool]
+
+
+async def _never_waits() -> None:  # pragma: no cover - collect() is never slow
+    return None
+
+
+class _ChunkedRelay:
+    """Decodes a chunked body in the upstream connection's callbacks and delivers it.
+
+    Errors (broken framing, a hang-up before the last chunk, whatever deliver
+    raised, ClientGone among them) are kept for the waiting coroutine to raise.
+    """
+
+    __slots__ = ("stream", "deliver", "decoder", "error", "slow", "stray", "_waiter")
+
+    def __init__(self, stream: AsyncioStream, deliver: Deliver) -> None:
+        self.stream = stream
+        self.deliver = deliver
+        self.decoder = ChunkedDecoder()
+        self.error: BaseException | None = None
+        self.slow = False
+        self.stray = False  # bytes arrived after the body ended
+        self._waiter: asyncio.Future[None] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.error is not None:
+            return
+        if self.decoder.done:
+            self.stray = True
+            return
+        try:
+            pieces = self.decoder.feed(data)
+            if pieces and self.deliver(pieces):
+                self.slow = True
+                self.stream.pause_reading()
+        except ChunkedError as exc:
+            self.error = httpcore.RemoteProtocolError(str(exc))
+        except BaseException as exc:  # raised again by the waiting coroutine
+            self.error = exc
+        if self.error is not None or self.slow or self.decoder.done:
+            self._wake()
+
+    def connection_closed(self, exc: BaseException | None) -> None:
+        if self.error is None and not self.decoder.done:
+            detail = f": {exc}" if exc else ""
+            self.error = httpcore.RemoteProtocolError(f"connection closed mid-body{detail}")
+        self._wake()
+
+    async def wait(self) -> None:
+        self._waiter = self.stream.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -343,8 +417,6 @@ class Upstream:
         """A response read to its end: pool its connection, or retire it."""
         endpoint.in_flight -= 1
         http = pooled.http
-        if pooled.stream is not None:
-            pooled.stream.before_wait = None
         # httpcore marks the connection idle (both h11 sides DONE). This does
         # not suspend: our lock never waits.
         await response.stream.aclose()  # type: ignore[union-attr]
