@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import logs
 from .handshakes.legs import serialise
-from .headers import relayed_response_headers
+from .headers import client_response_head
 from .messages import AbortResponse, ClientGone, ClientRequest, Responder, error_body
 from .timeouts import deadline
 from .upstream import Endpoint, UpstreamError, UpstreamResponse
@@ -114,21 +114,8 @@ async def relay_response(proxy: "Proxy", exchange: Exchange, response: UpstreamR
     chunk (AbortResponse): a cut answer must not look complete.
     """
     responder = exchange.responder
-    headers = relayed_response_headers(response.headers)
-    content_length = None
-    content_type = b"application/json"
-    relayed = []
-    for name, value in headers:
-        if name == b"content-type":
-            content_type = value
-        else:
-            relayed.append((name, value))
-    for name, value in response.headers:
-        if name.lower() == b"content-length":
-            content_length = int(value)
-    relayed.append((b"content-type", b"text/event-stream" if exchange.wants_stream
-                    else content_type))
-    await responder.start(response.status, relayed, content_length)
+    headers, content_length = client_response_head(response.headers, exchange.wants_stream)
+    await responder.start(response.status, headers, content_length)
     metrics = proxy.metrics
 
 

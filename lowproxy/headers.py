@@ -85,9 +85,25 @@ def relayed_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
     return relayed
 
 
-def header_value(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
-    """The first value of a (lowercase) header name, or None."""
-    for key, value in headers:
-        if key == name:
-            return value
-    return None
+def client_response_head(headers: Iterable[tuple[bytes, bytes]],
+                         streamed: bool) -> tuple[Headers, int | None]:
+    """Decode's response headers as the client gets them, and decode's content-length.
+
+    The content type is decode's (application/json when it sent none), or
+    text/event-stream for a request that asked to stream, whatever decode said
+    (as the GCO proxy answered). The length is kept so a body cut short shows.
+    """
+    headers = list(headers)
+    content_length = None
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            content_length = int(value)
+    content_type = b"application/json"
+    relayed = []
+    for name, value in relayed_response_headers(headers):
+        if name == b"content-type":
+            content_type = value
+        else:
+            relayed.append((name, value))
+    relayed.append((b"content-type", b"text/event-stream" if streamed else content_type))
+    return relayed, content_length

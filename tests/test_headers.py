@@ -10,8 +10,8 @@ import pytest
 
 from helpers import ScriptedBackend, chat, config_for, pd_setup, running_proxy
 from lowproxy.headers import (
-    FORWARDED_REQUEST_HEADERS, connection_tokens, forwarded_request_headers, header_value,
-    relayed_response_headers,
+    FORWARDED_REQUEST_HEADERS, client_response_head, connection_tokens,
+    forwarded_request_headers, relayed_response_headers,
 )
 
 ALLOWED = [
@@ -93,11 +93,6 @@ def test_relayed_response_headers_strip_hop_by_hop_and_keep_repeats():
         (b"set-cookie", b"b=2"),
         (b"x-utf8", b"\xc3\xa9t\xc3\xa9"),
     ]
-
-
-def test_header_value_is_the_first():
-    assert header_value([(b"a", b"1"), (b"a", b"2")], b"a") == b"1"
-    assert header_value([], b"a") is None
 
 
 # -- over sockets: request headers
@@ -233,3 +228,16 @@ async def test_passthrough_response_headers_relayed_raw():
             assert_response_headers_relayed(reply)
     finally:
         await backend.close()
+
+
+def test_client_response_head_content_type_and_length():
+    upstream = [(b"Content-Type", b"application/x-ndjson"), (b"Content-Length", b"12"),
+                (b"X-Dup", b"1"), (b"X-Dup", b"2")]
+    headers, length = client_response_head(upstream, streamed=False)
+    assert length == 12
+    assert headers == [(b"x-dup", b"1"), (b"x-dup", b"2"),
+                       (b"content-type", b"application/x-ndjson")]
+    headers, length = client_response_head(upstream, streamed=True)
+    assert headers[-1] == (b"content-type", b"text/event-stream")
+    headers, length = client_response_head([(b"transfer-encoding", b"chunked")], False)
+    assert length is None and headers == [(b"content-type", b"application/json")]
