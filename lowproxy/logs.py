@@ -8,6 +8,7 @@ set-up.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import sys
@@ -59,6 +60,7 @@ class _AccessWriter:
         self.json_format = json_format
         self._second = -1
         self._stamp = ""
+        self._lines: list[str] = []
 
     def _time(self) -> str:
         now = time.time()
@@ -82,8 +84,19 @@ class _AccessWriter:
             text = " ".join(f"{key}={'-' if value is None else value}"
                             for key, value in fields.items())
             line = f"{self._time()} INFO [{access_log.name}] {text}"
+        self._lines.append(line)
+        if len(self._lines) == 1:
+            # Lines of one event-loop turn go out in one write, after the turn.
+            try:
+                asyncio.get_running_loop().call_soon(self.flush)
+            except RuntimeError:  # no loop running: write now
+                self.flush()
+
+    def flush(self) -> None:
+        lines, self._lines = self._lines, []
         try:
-            self.stream.write(line + "\n")
+            self.stream.write("\n".join(lines) + "\n")
+            self.stream.flush()
         except (OSError, ValueError):  # a closed stderr must not fail requests
             pass
 
