@@ -53,7 +53,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from lowproxy.demo import DemoBackend, KvRegistry  # noqa: E402
-from lowproxy.server import AbortResponse, json_body  # noqa: E402
+from lowproxy.answers import json_body  # noqa: E402
+from lowproxy.messages import AbortResponse  # noqa: E402
 
 CHAT = b"/v1/chat/completions"
 FAULTS = ("decode_dies", "decode_closes", "decode_500", "decode_slow", "prefill_500",

@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import random
 import time
+from collections import OrderedDict
 from typing import Iterable
 
-from .config import EndpointSpec
+from .config import EndpointSpec, split_host_port
 from .upstream import Endpoint, Resolver, Upstream
 
 log = logging.getLogger("lowproxy.backends")
 
 COOLDOWN_SECONDS = 2.0
+HEADER_TARGETS_KEPT = 256  # pools kept for scheduler-named prefill targets
 
 
 class BackendGroup:
@@ -149,22 +152,71 @@ class PrefillTargetAllowList:
         return any(address in network for network in self.networks)
 
 
-def split_host_port(text: str) -> tuple[str, int | None]:
-    """``host``, ``host:port``, ``[v6]:port`` -> (lowercased host, port or None)."""
-    text = text.strip().lower()
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port_text = rest[1:] if rest.startswith(":") else ""
-    elif text.count(":") == 1:
-        host, _, port_text = text.partition(":")
-    else:
-        host, port_text = text, ""
-    if not port_text:
-        return host, None
-    # ASCII digits only: int() would also take "+80", "8_0" and non-ASCII digits.
-    if not (port_text.isascii() and port_text.isdigit()):
-        raise ValueError(f"{port_text!r} is not a port number")
-    port = int(port_text)
-    if not 0 < port < 65536:
-        raise ValueError(f"port {port} out of range")
-    return host, port
+class TargetRefused(Exception):
+    """A scheduler-named prefill target that may not be used; ``status`` is the answer."""
+
+    def __init__(self, status: int, message: str, target: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.target = target
+
+
+class PrefillChooser:
+    """Which prefill endpoint a request's prefill leg goes to.
+
+    A scheduler's choice (``x-prefiller-host-port``, llm-d's convention) wins
+    when the allow list admits it; otherwise round robin over the group. A
+    named target that is one of the group's endpoints uses that endpoint (its
+    pool, its ``#bootstrap_port``); others get endpoints of their own, kept in
+    a bounded LRU so their pools are reused.
+    """
+
+    def __init__(self, group: BackendGroup, allow: PrefillTargetAllowList,
+                 upstream: Upstream) -> None:
+        self.group = group
+        self.allow = allow
+        self.upstream = upstream
+        self.named: OrderedDict[tuple[str, int], Endpoint] = OrderedDict()
+
+    def choose(self, named_header: bytes | None) -> Endpoint | None:
+        if named_header is not None and self.allow.enabled:
+            targets = self._named_targets(named_header)
+            if targets:
+                return self._named_endpoint(random.choice(targets))
+        endpoint = self.group.pick_round_robin()
+        if endpoint is None:
+            endpoint = self.group.soonest_usable()  # all cooling down: try one anyway
+        return endpoint
+
+    def _named_targets(self, header: bytes) -> list[tuple[str, int]]:
+        targets = []
+        for item in header.decode("latin-1").split(","):
+            if not item.strip():
+                continue
+            try:
+                host, port = split_host_port(item)
+            except ValueError:
+                port = None
+            if port is None:
+                raise TargetRefused(400, "x-prefiller-host-port must be host:port")
+            if not self.allow.allows(host, port):
+                raise TargetRefused(403, "prefill target not allowed", f"{host}:{port}")
+            targets.append((host, port))
+        return targets
+
+    def _named_endpoint(self, key: tuple[str, int]) -> Endpoint:
+        for configured in self.group.endpoints:
+            if (configured.connect_host, configured.port) == key:
+                return configured
+        endpoint = self.named.get(key)
+        if endpoint is not None:
+            self.named.move_to_end(key)
+            return endpoint
+        scheme = self.group.specs[0].scheme if self.group.specs else "http"
+        endpoint = Endpoint(EndpointSpec(scheme, key[0], key[1]))
+        self.named[key] = endpoint
+        while len(self.named) > HEADER_TARGETS_KEPT:
+            _, evicted = self.named.popitem(last=False)
+            self.upstream.close_idle(evicted)
+        return endpoint

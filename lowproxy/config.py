@@ -11,165 +11,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import ipaddress
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
+from .config_values import (EndpointSpec, allow_list, bool_value, choice, endpoints, int_in,
+                            optional_seconds, parse_endpoint, parse_port, seconds_value,
+                            split_host_port, status_value, stripped, text_value)
+
+__all__ = ["SETTINGS", "Config", "ConfigError", "EndpointSpec", "Setting", "build_parser",
+           "load_config", "parse_endpoint", "parse_port", "split_host_port"]
+
 
 class ConfigError(ValueError):
     """A setting that cannot be used; the message names the setting."""
-
-
-@dataclass(frozen=True)
-class EndpointSpec:
-    """One configured backend, as the operator wrote it.
-
-    ``discover`` marks ``dns+http(s)://name:port``: the name is resolved to all
-    of its addresses (a headless Kubernetes Service) and re-resolved while
-    running. ``bootstrap_port`` overrides the handshake's bootstrap port for
-    this endpoint only (written ``http://host:port#bootstrap_port=9000``).
-    """
-
-    scheme: str
-    host: str
-    port: int
-    base_path: str = ""
-    discover: bool = False
-    bootstrap_port: int | None = None
-
-    @property
-    def tls(self) -> bool:
-        return self.scheme == "https"
-
-    @property
-    def label(self) -> str:
-        prefix = "dns+" if self.discover else ""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{prefix}{self.scheme}://{host}:{self.port}{self.base_path}"
-
-
-def parse_endpoint(text: str) -> EndpointSpec:
-    """Parse one backend URL; raise ValueError with a reason when it is unusable."""
-    raw = text.strip()
-    bootstrap_port = None
-    if "#" in raw:
-        raw, _, fragment = raw.partition("#")
-        key, _, value = fragment.partition("=")
-        if key.strip() != "bootstrap_port":
-            raise ValueError(f"unknown option {fragment!r} (only #bootstrap_port=N)")
-        bootstrap_port = _port(value)
-    raw = raw.rstrip("/")
-    discover = raw.startswith("dns+")
-    if discover:
-        raw = raw[4:]
-    scheme, sep, rest = raw.partition("://")
-    if not sep or scheme not in ("http", "https"):
-        raise ValueError(f"{text.strip()!r} is not an http:// or https:// URL")
-    authority, slash, path = rest.partition("/")
-    if "@" in authority:
-        raise ValueError("credentials in a backend URL are not supported")
-    if "?" in authority or "?" in path:
-        raise ValueError("a backend URL takes no query string")
-    if authority.startswith("["):
-        host, _, port_text = authority[1:].partition("]")
-        port_text = port_text[1:] if port_text.startswith(":") else port_text
-    else:
-        host, _, port_text = authority.partition(":")
-    if not host:
-        raise ValueError(f"{text.strip()!r} has no host")
-    port = _port(port_text) if port_text else (443 if scheme == "https" else 80)
-    base_path = ("/" + path) if slash and path else ""
-    return EndpointSpec(scheme, host.lower(), port, base_path, discover, bootstrap_port)
-
-
-def _port(text: str) -> int:
-    value = int(text.strip())
-    if not 0 < value < 65536:
-        raise ValueError(f"port {value} out of range 1-65535")
-    return value
-
-
-# -- value parsers: each takes the raw text and returns the value or raises ValueError
-
-
-def _int_in(low: int, high: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text.strip())
-        except ValueError:
-            raise ValueError(f"{text!r} is not an integer") from None
-        if not low <= value <= high:
-            raise ValueError(f"{value} is outside {low}..{high}")
-        return value
-
-    return parse
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text.strip())
-    except ValueError:
-        raise ValueError(f"{text!r} is not a number of seconds") from None
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{text!r} must be a finite number >= 0")
-    return value
-
-
-def _optional_seconds(text: str) -> float | None:
-    """Seconds, where empty or 0 means no bound."""
-    if not text.strip():
-        return None
-    value = _seconds(text)
-    return value or None
-
-
-def _bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in ("1", "true", "yes", "on"):
-        return True
-    if lowered in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"{text!r} is not a boolean (1/0, true/false)")
-
-
-def _choice(*choices: str) -> Callable[[str], str]:
-    def parse(text: str) -> str:
-        value = text.strip().lower()
-        if value not in choices:
-            raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
-        return value
-
-    return parse
-
-
-def _text(text: str) -> str:
-    return text
-
-
-def _stripped(text: str) -> str:
-    return text.strip()
-
-
-def _endpoints(text: str) -> tuple[EndpointSpec, ...]:
-    return tuple(parse_endpoint(item) for item in text.split(",") if item.strip())
-
-
-def _allow_list(text: str) -> tuple[str, ...]:
-    """Hosts, host:port pairs and CIDRs; validated here, matched in routing.allow."""
-    from .backends import split_host_port  # backends imports this module
-
-    entries = tuple(item.strip().lower() for item in text.split(",") if item.strip())
-    for entry in entries:
-        if "/" in entry:
-            ipaddress.ip_network(entry, strict=False)
-        else:  # a bad host:port must stop the start, not the first request
-            split_host_port(entry)
-    return entries
-
-
-def _status(text: str) -> int:
-    return _int_in(100, 599)(text)
 
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -187,142 +42,142 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("host", "PD_PROXY_HOST", "--host", _stripped, "0.0.0.0", "address to listen on"),
-    Setting("port", "PD_PROXY_PORT", "--port", _int_in(0, 65535), "8000", "port to listen on"),
+    Setting("host", "PD_PROXY_HOST", "--host", stripped, "0.0.0.0", "address to listen on"),
+    Setting("port", "PD_PROXY_PORT", "--port", int_in(0, 65535), "8000", "port to listen on"),
     Setting(
-        "prefill", "PD_PROXY_PREFILL_URL", "--prefill", _endpoints, "",
+        "prefill", "PD_PROXY_PREFILL_URL", "--prefill", endpoints, "",
         "prefill backend URL(s), comma-separated; http://, https://, dns+http://, "
         "dns+https://; #bootstrap_port=N overrides the bootstrap port of one endpoint; "
         "empty: no prefill, decode computes prompts itself", repeatable=True,
     ),
     Setting(
-        "decode", "PD_PROXY_DECODE_URL", "--decode", _endpoints, "",
+        "decode", "PD_PROXY_DECODE_URL", "--decode", endpoints, "",
         "decode backend URL(s), comma-separated, same syntax", repeatable=True,
     ),
     Setting(
-        "ca_file", "PD_PROXY_CA_FILE", "--ca-file", _stripped, "",
+        "ca_file", "PD_PROXY_CA_FILE", "--ca-file", stripped, "",
         "CA bundle trusted (exclusively) for https:// backends; re-read when the file "
         "changes; empty: the system trust store",
     ),
     Setting(
         "residency_timeout", "PD_PROXY_RESIDENCY_TIMEOUT_SECONDS", "--residency-timeout",
-        _seconds, "2", "accepted for compatibility with the GCO proxy; the residency "
+        seconds_value, "2", "accepted for compatibility with the GCO proxy; the residency "
         "store is never on the request path",
     ),
     Setting(
         "no_decode_status", "PD_PROXY_NO_DECODE_BACKEND_STATUS", "--no-decode-status",
-        _status, "503", "status answered when no decode backend can be reached",
+        status_value, "503", "status answered when no decode backend can be reached",
     ),
     Setting(
         "no_decode_message", "PD_PROXY_NO_DECODE_BACKEND_MESSAGE", "--no-decode-message",
-        _text, "no available decode backend", "error message answered with that status",
+        text_value, "no available decode backend", "error message answered with that status",
     ),
     Setting(
-        "admin_api_key", "ADMIN_API_KEY", "--admin-api-key", _text, "",
+        "admin_api_key", "ADMIN_API_KEY", "--admin-api-key", text_value, "",
         "key for POST .../instances/add (x-admin-api-key or Authorization: Bearer); "
         "empty: the admin path always answers 403",
     ),
-    Setting("log_level", "PD_PROXY_LOG_LEVEL", "--log-level", _choice(*_LOG_LEVELS), "info",
+    Setting("log_level", "PD_PROXY_LOG_LEVEL", "--log-level", choice(*_LOG_LEVELS), "info",
             "log level: " + ", ".join(_LOG_LEVELS)),
-    Setting("log_format", "PD_PROXY_LOG_FORMAT", "--log-format", _choice("text", "json"),
+    Setting("log_format", "PD_PROXY_LOG_FORMAT", "--log-format", choice("text", "json"),
             "text", "log line format: text or json"),
     Setting(
         "prefill_timeout", "PD_PROXY_PREFILL_TIMEOUT_SECONDS", "--prefill-timeout",
-        _seconds, "300", "bound on the whole prefill leg (and the relay of its answer)",
+        seconds_value, "300", "bound on the whole prefill leg (and the relay of its answer)",
     ),
     Setting(
         "connect_timeout", "PD_PROXY_CONNECT_TIMEOUT_SECONDS", "--connect-timeout",
-        _seconds, "5", "bound on opening one upstream connection (TCP and TLS)",
+        seconds_value, "5", "bound on opening one upstream connection (TCP and TLS)",
     ),
     Setting(
         "decode_timeout", "PD_PROXY_DECODE_TIMEOUT_SECONDS", "--decode-timeout",
-        _optional_seconds, "0", "bound on a whole decode response; 0: none (generations "
+        optional_seconds, "0", "bound on a whole decode response; 0: none (generations "
         "are long)",
     ),
     Setting(
         "kv_protocol", "PD_PROXY_KV_PROTOCOL", "--kv-protocol",
-        _choice("relay", "mooncake", "sglang"), "relay",
+        choice("relay", "mooncake", "sglang"), "relay",
         "KV handshake: relay (prefill then decode, prefill's kv_transfer_params relayed), "
         "mooncake (vLLM 0.16+ concurrent bootstrap), sglang",
     ),
     Setting(
         "on_prefill_failure", "PD_PROXY_ON_PREFILL_FAILURE", "--on-prefill-failure",
-        _choice("recompute", "error"), "recompute",
+        choice("recompute", "error"), "recompute",
         "when the prefill leg fails: recompute (decode computes the prompt itself) or "
         "error (502 prefill_failed)",
     ),
     Setting(
         "mooncake_bootstrap_port", "PD_PROXY_MOONCAKE_BOOTSTRAP_PORT",
-        "--mooncake-bootstrap-port", _int_in(1, 65535), "8998",
+        "--mooncake-bootstrap-port", int_in(1, 65535), "8998",
         "port of the prefill's Mooncake bootstrap server (GET /query)",
     ),
     Setting(
         "sglang_bootstrap_port", "PD_PROXY_SGLANG_BOOTSTRAP_PORT", "--sglang-bootstrap-port",
-        _int_in(1, 65535), "8998", "SGLang disaggregation bootstrap port sent to both legs",
+        int_in(1, 65535), "8998", "SGLang disaggregation bootstrap port sent to both legs",
     ),
     Setting(
-        "dns_refresh", "PD_PROXY_DNS_REFRESH_SECONDS", "--dns-refresh", _seconds, "10",
+        "dns_refresh", "PD_PROXY_DNS_REFRESH_SECONDS", "--dns-refresh", seconds_value, "10",
         "how often dns+ endpoints are resolved again",
     ),
     Setting(
         "prefill_header_allow", "PD_PROXY_PREFILL_HEADER_ALLOW", "--prefill-header-allow",
-        _allow_list, "", "hosts, host:port pairs or CIDRs a x-prefiller-host-port header "
+        allow_list, "", "hosts, host:port pairs or CIDRs a x-prefiller-host-port header "
         "may name; empty: the header is ignored", repeatable=True,
     ),
     Setting(
-        "upstream_keepalive", "PD_PROXY_UPSTREAM_KEEPALIVE", "--upstream-keepalive", _bool,
+        "upstream_keepalive", "PD_PROXY_UPSTREAM_KEEPALIVE", "--upstream-keepalive", bool_value,
         "1", "keep upstream connections alive in a pool; 0: one connection per call",
     ),
     Setting(
         "upstream_max_requests", "PD_PROXY_UPSTREAM_MAX_REQUESTS", "--upstream-max-requests",
-        _int_in(1, 10**9), "1000", "requests one pooled connection serves before it retires",
+        int_in(1, 10**9), "1000", "requests one pooled connection serves before it retires",
     ),
     Setting(
         "upstream_max_age", "PD_PROXY_UPSTREAM_MAX_AGE_SECONDS", "--upstream-max-age",
-        _seconds, "30", "age at which a pooled connection retires (kube-proxy balances "
+        seconds_value, "30", "age at which a pooled connection retires (kube-proxy balances "
         "connections, not requests)",
     ),
     Setting(
-        "upstream_idle", "PD_PROXY_UPSTREAM_IDLE_SECONDS", "--upstream-idle", _seconds, "15",
+        "upstream_idle", "PD_PROXY_UPSTREAM_IDLE_SECONDS", "--upstream-idle", seconds_value, "15",
         "how long an idle pooled connection is kept",
     ),
     Setting(
         "max_header_bytes", "PD_PROXY_MAX_HEADER_BYTES", "--max-header-bytes",
-        _int_in(1024, 16 * 1024 * 1024), str(64 * 1024),
+        int_in(1024, 16 * 1024 * 1024), str(64 * 1024),
         "request line plus headers larger than this: 431",
     ),
     Setting(
         "max_body_bytes", "PD_PROXY_MAX_BODY_BYTES", "--max-body-bytes",
-        _int_in(0, 2**40), str(32 * 1024 * 1024), "request body larger than this: 413",
+        int_in(0, 2**40), str(32 * 1024 * 1024), "request body larger than this: 413",
     ),
     Setting(
-        "header_timeout", "PD_PROXY_HEADER_TIMEOUT_SECONDS", "--header-timeout", _seconds,
+        "header_timeout", "PD_PROXY_HEADER_TIMEOUT_SECONDS", "--header-timeout", seconds_value,
         "30", "a request's head must arrive within this many seconds (408)",
     ),
     Setting(
-        "keepalive_timeout", "PD_PROXY_KEEPALIVE_SECONDS", "--keepalive", _seconds, "75",
+        "keepalive_timeout", "PD_PROXY_KEEPALIVE_SECONDS", "--keepalive", seconds_value, "75",
         "idle client keep-alive connections are closed after this many seconds",
     ),
     Setting(
         "max_connections", "PD_PROXY_MAX_CONNECTIONS", "--max-connections",
-        _int_in(1, 10**7), "10000", "open client connections beyond this get 503",
+        int_in(1, 10**7), "10000", "open client connections beyond this get 503",
     ),
     Setting(
-        "drain_seconds", "PD_PROXY_DRAIN_SECONDS", "--drain", _seconds, "25",
+        "drain_seconds", "PD_PROXY_DRAIN_SECONDS", "--drain", seconds_value, "25",
         "on SIGTERM/SIGINT, how long in-flight requests may finish",
     ),
     Setting(
-        "metrics_port", "PD_PROXY_METRICS_PORT", "--metrics-port", _int_in(0, 65535), "0",
+        "metrics_port", "PD_PROXY_METRICS_PORT", "--metrics-port", int_in(0, 65535), "0",
         "also serve /metrics on this port (0: only on the main listener)",
     ),
-    Setting("trace", "PD_PROXY_TRACE", "--trace", _bool, "0",
+    Setting("trace", "PD_PROXY_TRACE", "--trace", bool_value, "0",
             "start a W3C trace id for requests that carry none"),
-    Setting("otel", "PD_PROXY_OTEL", "--otel", _bool, "0",
+    Setting("otel", "PD_PROXY_OTEL", "--otel", bool_value, "0",
             "emit OpenTelemetry spans (llm-d attribute names) when opentelemetry-api is "
             "installed"),
-    Setting("loop", "PD_PROXY_LOOP", "--loop", _choice("auto", "asyncio", "uvloop"), "auto",
+    Setting("loop", "PD_PROXY_LOOP", "--loop", choice("auto", "asyncio", "uvloop"), "auto",
             "event loop: uvloop when installed (auto), or force one"),
-    Setting("workers", "PD_PROXY_WORKERS", "--workers", _int_in(1, 256), "1",
+    Setting("workers", "PD_PROXY_WORKERS", "--workers", int_in(1, 256), "1",
             "processes sharing the port (SO_REUSEPORT)"),
 )
 

@@ -19,8 +19,6 @@ from typing import Any
 from . import __version__, logs
 from .config import Config, ConfigError, load_config, parse_endpoint
 from .proxy import Proxy
-from .routes import HEALTH, METRICS, READY, classify
-from .messages import ClientRequest, Responder
 from .server import HttpServer, Limits
 from .tls import TrustUnavailable
 
@@ -79,7 +77,7 @@ async def serve(config: Config, sock: socket.socket | None = None,
     await server.listen(config.host, config.port, sock=sock, reuse_port=config.workers > 1)
     metrics_server = None
     if config.metrics_port:
-        metrics_server = HttpServer(_metrics_only(proxy), Limits(max_connections=64))
+        metrics_server = HttpServer(proxy.handle_probes_only, Limits(max_connections=64))
         await metrics_server.listen(config.host, config.metrics_port,
                                     reuse_port=config.workers > 1)
     port = server.ports[0]
@@ -123,17 +121,6 @@ async def serve(config: Config, sock: socket.socket | None = None,
             loop.remove_signal_handler(signum)
     log.info("drained; exiting")
     return 0
-
-
-def _metrics_only(proxy: Proxy) -> Any:
-    """The metrics listener: /metrics and the probes, nothing that reaches a backend."""
-    async def handle(request: ClientRequest, responder: Responder) -> None:
-        if request.method in (b"GET", b"HEAD") and classify(
-                request.method, request.path) in (HEALTH, READY, METRICS):
-            await proxy.handle(request, responder)
-        else:
-            await responder.send_bytes(404, b'{"error":"not found"}')
-    return handle
 
 
 def _run(config: Config, sock: socket.socket | None = None) -> int:

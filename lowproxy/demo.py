@@ -27,7 +27,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .messages import AbortResponse, ClientRequest, Responder, json_body
+from .answers import json_body
+from .messages import AbortResponse, ClientRequest
+from .responder import Responder
 from .server import HttpServer
 
 MODEL = "demo-model"

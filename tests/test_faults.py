@@ -16,7 +16,7 @@ import openai
 import pytest
 from helpers import ScriptedBackend, chat, config_for, pd_setup, running_proxy, wait_until
 
-from lowproxy.server import AbortResponse
+from lowproxy.messages import AbortResponse
 
 CHAT = "/v1/chat/completions"
 

@@ -7,9 +7,11 @@ names the vLLM behaviour it exists for.
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 Body = dict[str, Any]
+Headers = list[tuple[bytes, bytes]]
 
 KV = "kv_transfer_params"
 
@@ -125,3 +127,47 @@ def sglang_body(body: Body, bootstrap_host: str, bootstrap_port: int, room: int)
 def wants_stream(body: Body) -> bool:
     # Truthiness, as the GCO proxy judged it (vLLM's pydantic also takes 1 for true).
     return bool(body.get("stream"))
+
+
+def path_only(target: bytes) -> bytes:
+    """Prefill gets the path without the query string, as the GCO proxy sent it."""
+    return target.split(b"?", 1)[0]
+
+
+@dataclass(slots=True)
+class Plan:
+    """What to send for one request: made by a handshake's plan(), run by dispatch.
+
+    Decode only when ``prefill`` is None. Otherwise the prefill leg goes to
+    ``prefill`` and decode gets ``decode_body`` at the same time
+    (``concurrent``), or, in turn, the body ``decode_body_for`` makes from
+    prefill's ``kv_transfer_params``. ``client_body`` is kept for the
+    recompute fallback (decode computes the prompt itself); ``prefill_failure``
+    says the prefill leg failed before it could be sent (no endpoint, no
+    bootstrap map), so dispatch applies the failure policy at once.
+    """
+
+    handshake: str  # relay, mooncake, sglang; "" for a passthrough
+    method: bytes
+    decode_target: bytes
+    decode_body: bytes | None
+    client_body: Body | None = None
+    prefill: Any = None  # the chosen prefill Endpoint
+    prefill_target: bytes = b""
+    prefill_body: bytes = b""
+    prefill_headers: Headers = field(default_factory=list)
+    concurrent: bool = False
+    decode_body_for: Callable[[Any], bytes] | None = None
+    prefill_failure: str | None = None
+    skip_reason: str | None = None
+
+    def fallback_body(self) -> bytes:
+        """Decode's body when there is no KV to pull: the client's, as it came."""
+        return serialise(self.client_body if self.client_body is not None else {})
+
+
+def decode_only_plan(method: bytes, target: bytes, body: bytes | None, handshake: str = "",
+                     client_body: Body | None = None, prefill_failure: str | None = None,
+                     skip_reason: str | None = None) -> Plan:
+    return Plan(handshake, method, target, body, client_body=client_body,
+                prefill_failure=prefill_failure, skip_reason=skip_reason)

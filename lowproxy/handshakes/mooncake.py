@@ -2,42 +2,25 @@
 
 Prefill returns nothing useful any more; instead both legs share a fresh
 transfer id, and decode is told which engine (of which data-parallel rank) to
-pull from and where that prefill's bootstrap server listens.
+pull from and where that prefill's bootstrap server listens. The engine map
+comes from the prefill's bootstrap server (bootstrap.py), awaited before
+planning.
 """
 
 from __future__ import annotations
 
-import uuid
-from typing import TYPE_CHECKING
+from typing import Any
 
-from .. import logs
-from ..exchange import Exchange, answer_prefill_failed, log, recompute
-from ..upstream import Endpoint, UpstreamResponse
-from .bootstrap import BootstrapError
-from .concurrent import run_concurrent
-from .legs import Body, mooncake_bodies, serialise
-
-if TYPE_CHECKING:
-    from ..proxy import Proxy
+from .legs import Body, Plan, mooncake_bodies, path_only, serialise
 
 RANK_HEADER = b"X-data-parallel-rank"
 
 
-async def run(proxy: "Proxy", exchange: Exchange, body: Body,
-              prefill: Endpoint) -> UpstreamResponse | None:
-    try:
-        engines = await proxy.bootstrap.engines(prefill)
-    except BootstrapError as exc:
-        proxy.metrics.prefill_legs.inc("mooncake", "error")
-        logs.warn(log, f"mooncake bootstrap query failed: {exc}", exchange.request_id,
-                  backend=prefill.label)
-        if proxy.config.on_prefill_failure == "error":
-            await answer_prefill_failed(proxy, exchange, str(exc))
-            return None
-        return await recompute(proxy, exchange, body)
-    rank, engine_id = engines.next_rank()
-    transfer_id = f"xfer-{uuid.uuid4()}"
-    prefill_body, decode_body = mooncake_bodies(body, transfer_id, engine_id,
-                                                proxy.bootstrap.bootstrap_addr(prefill))
-    return await run_concurrent(proxy, exchange, body, prefill, serialise(prefill_body),
-                                serialise(decode_body), [(RANK_HEADER, rank.encode())])
+def plan(body: Body, target: bytes, prefill: Any, rank: str, engine_id: str,
+         bootstrap_addr: str, transfer_id: str) -> Plan:
+    """Both legs at once; the prefill leg lands on ``rank``, whose engine decode pulls from."""
+    prefill_body, decode_body = mooncake_bodies(body, transfer_id, engine_id, bootstrap_addr)
+    return Plan("mooncake", b"POST", target, serialise(decode_body), client_body=body,
+                prefill=prefill, prefill_target=path_only(target),
+                prefill_body=serialise(prefill_body),
+                prefill_headers=[(RANK_HEADER, rank.encode())], concurrent=True)

@@ -8,33 +8,19 @@ the prompt itself, unless PD_PROXY_ON_PREFILL_FAILURE=error.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from functools import partial
+from typing import Any
 
-from ..exchange import Exchange, answer_prefill_failed, prefill_leg, send_decode
-from ..upstream import Endpoint, UpstreamResponse
-from .legs import Body, relay_decode_body, relay_prefill_body, serialise
-
-if TYPE_CHECKING:
-    from ..proxy import Proxy
+from .legs import Body, Plan, path_only, relay_decode_body, relay_prefill_body, serialise
 
 
-async def run(proxy: "Proxy", exchange: Exchange, body: Body,
-              prefill: Endpoint) -> UpstreamResponse | None:
-    """Both legs in turn; decode's opened response, or None when the client has its answer."""
-    result = await prefill_leg(proxy, exchange, prefill, path_of(exchange),
-                               serialise(relay_prefill_body(body)), [], want_kv=True)
-    if result.ok:
-        decode_body = relay_decode_body(body, result.kv_transfer_params)
-    elif proxy.config.on_prefill_failure == "error":
-        await answer_prefill_failed(proxy, exchange, result.detail)
-        return None
-    else:
-        proxy.metrics.prefill_legs.inc("relay", "recompute")
-        decode_body = body
-    return await send_decode(proxy, exchange, b"POST", exchange.request.target,
-                             serialise(decode_body))
+def plan(body: Body, target: bytes, prefill: Any) -> Plan:
+    """Both legs in turn: decode's body is made from prefill's answer."""
+    return Plan("relay", b"POST", target, None, client_body=body, prefill=prefill,
+                prefill_target=path_only(target),
+                prefill_body=serialise(relay_prefill_body(body)),
+                decode_body_for=partial(_decode_body, body))
 
 
-def path_of(exchange: Exchange) -> bytes:
-    """Prefill gets the path without the query string, as the GCO proxy sent it."""
-    return exchange.request.target.split(b"?", 1)[0]
+def _decode_body(body: Body, prefill_kv: Any) -> bytes:
+    return serialise(relay_decode_body(body, prefill_kv))

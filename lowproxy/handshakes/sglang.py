@@ -2,23 +2,13 @@
 
 from __future__ import annotations
 
-import random
-from typing import TYPE_CHECKING
+from typing import Any
 
-from ..exchange import Exchange
-from ..upstream import Endpoint, UpstreamResponse
-from .concurrent import run_concurrent
-from .legs import Body, serialise, sglang_body
-
-if TYPE_CHECKING:
-    from ..proxy import Proxy
-
-_rooms = random.SystemRandom()
+from .legs import Body, Plan, path_only, serialise, sglang_body
 
 
-async def run(proxy: "Proxy", exchange: Exchange, body: Body,
-              prefill: Endpoint) -> UpstreamResponse | None:
-    port = prefill.spec.bootstrap_port or proxy.config.sglang_bootstrap_port
-    room = _rooms.getrandbits(63)  # non-negative, fits SGLang's int64 room id
-    shaped = serialise(sglang_body(body, prefill.bootstrap_host, port, room))
-    return await run_concurrent(proxy, exchange, body, prefill, shaped, shaped, [])
+def plan(body: Body, target: bytes, prefill: Any, bootstrap_host: str, bootstrap_port: int,
+         room: int) -> Plan:
+    shaped = serialise(sglang_body(body, bootstrap_host, bootstrap_port, room))
+    return Plan("sglang", b"POST", target, shaped, client_body=body, prefill=prefill,
+                prefill_target=path_only(target), prefill_body=shaped, concurrent=True)

@@ -1,0 +1,444 @@
+"""Run a Plan: the one executor for every request that reaches a backend.
+
+Read top to bottom, as Go's ReverseProxy is: ``run`` opens decode's response
+(``_decode_response``: decode only, the legs in turn, or both at once with the
+commit point), then copies decode's answer to the client (``_copy_answer``).
+Every failure on the way is an exception of the Failure family, and one
+function, ``answer_failure``, decides its metric label, its log line and the
+client's answer. The prefill-failure policy (PD_PROXY_ON_PREFILL_FAILURE) is
+applied in one place, ``_without_kv``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, Awaitable, Coroutine
+
+from . import answers, logs
+from .backends import BackendGroup
+from .config import Config
+from .exchange import Exchange
+from .handshakes.bootstrap import BootstrapCache
+from .handshakes.legs import Plan
+from .headers import client_response_head
+from .messages import AbortResponse, ClientGone, Headers, ResponseWriter
+from .metrics import Metrics
+from .timeouts import deadline
+from .tracing import Tracing
+from .upstream import Endpoint, Upstream, UpstreamError, UpstreamResponse
+
+log = logging.getLogger("lowproxy.exchange")
+
+# A prefill answer is one token of JSON; anything this large is not one.
+MAX_PREFILL_ANSWER_BYTES = 8 * 1024 * 1024
+
+
+# -- the failure family: what went wrong, before or after the response started
+
+
+class Failure(Exception):
+    """A leg failed; answer_failure() turns it into a metric, a log line and an answer."""
+
+
+class NoDecode(Failure):
+    """No decode endpoint could be reached (all refused, in cooldown, or untrusted)."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class DecodeFailed(Failure):
+    """Decode accepted the connection, then failed before its response head."""
+
+    def __init__(self, error: UpstreamError) -> None:
+        super().__init__(error.detail)
+        self.error = error
+
+
+class DecodeTimedOut(Failure):
+    """PD_PROXY_DECODE_TIMEOUT_SECONDS ran out (before or after the response started)."""
+
+
+class PrefillFailed(Failure):
+    """The prefill leg failed under PD_PROXY_ON_PREFILL_FAILURE=error."""
+
+    def __init__(self, detail: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+
+
+class Truncated(Failure):
+    """Decode broke off its response after it had started."""
+
+    def __init__(self, detail: str, backend: str) -> None:
+        super().__init__(detail)
+        self.detail = detail
+        self.backend = backend
+
+
+class PrefillResult:
+    __slots__ = ("ok", "outcome", "kv_transfer_params", "detail")
+
+    def __init__(self, ok: bool, outcome: str, kv_transfer_params: Any = None,
+                 detail: str = "") -> None:
+        self.ok = ok
+        self.outcome = outcome  # ok, error, timeout
+        self.kv_transfer_params = kv_transfer_params
+        self.detail = detail
+
+
+class Dispatcher:
+    """Sends the legs of planned requests; owns the prefill legs left to finish."""
+
+    def __init__(self, config: Config, upstream: Upstream, prefill: BackendGroup,
+                 decode: BackendGroup, bootstrap: BootstrapCache, metrics: Metrics,
+                 tracing: Tracing | None) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.prefill = prefill
+        self.decode = decode
+        self.bootstrap = bootstrap
+        self.metrics = metrics
+        self.tracing = tracing
+        self.background: set[asyncio.Task[Any]] = set()
+        # Cached: asyncio.get_running_loop() costs a getpid() syscall on 3.11.
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        return self._loop
+
+    def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        """A task that outlives its request (a prefill leg left to finish)."""
+        task = self.loop.create_task(coroutine)
+        self.background.add(task)
+        task.add_done_callback(self.background.discard)
+        return task
+
+    async def close(self, grace: float = 0.0) -> None:
+        """Prefill legs in flight get ``grace`` seconds, then are cancelled."""
+        if self.background and grace > 0:
+            await asyncio.wait(list(self.background), timeout=grace)
+        for task in list(self.background):
+            task.cancel()
+        if self.background:
+            await asyncio.wait(list(self.background), timeout=1.0)
+
+    # -- the pipeline
+
+    async def run(self, exchange: Exchange, responder: ResponseWriter,
+                  planning: Awaitable[Plan]) -> None:
+        """Plan, open decode's response, copy it to the client; answer any failure.
+
+        ``planning`` is awaited here so that nothing up the stack keeps the
+        client's body: once decode's response is open the plan is dropped, and
+        a stream that lasts minutes holds no copy of the prompt.
+        """
+        try:
+            plan = await planning
+            exchange.skip_reason = plan.skip_reason
+            response = await self._decode_response(exchange, plan)
+            del plan
+            await self._copy_answer(exchange, responder, response)
+        except Failure as failure:
+            await self.answer_failure(exchange, responder, failure)
+
+    async def _decode_response(self, exchange: Exchange, plan: Plan) -> UpstreamResponse:
+        """Decode's response head, once any prefill leg has committed."""
+        if plan.prefill is not None and plan.prefill_failure is None:
+            if plan.concurrent:
+                return await self._concurrent(exchange, plan)
+            return await self._in_turn(exchange, plan)
+        body = plan.decode_body
+        if plan.prefill_failure is not None:
+            # The prefill leg could not even be sent (no endpoint, no bootstrap map).
+            self.metrics.prefill_legs.inc(plan.handshake, "error")
+            logs.warn(log, f"prefill leg not sent: {plan.prefill_failure}", exchange.request_id,
+                      backend=plan.prefill.label if plan.prefill is not None else None,
+                      handshake=plan.handshake)
+            body = self._without_kv(exchange, plan, plan.prefill_failure)
+        return await self._open_decode_bounded(exchange, plan.method, plan.decode_target, body)
+
+    async def _in_turn(self, exchange: Exchange, plan: Plan) -> UpstreamResponse:
+        """Relay: prefill answers first; decode's body carries its kv_transfer_params."""
+        result = await self._prefill_leg(exchange, plan.prefill, plan.prefill_target,
+                                         plan.prefill_body, plan.prefill_headers, want_kv=True)
+        if result.ok and plan.decode_body_for is not None:
+            body = plan.decode_body_for(result.kv_transfer_params)
+        else:
+            body = self._without_kv(exchange, plan, result.detail)
+        return await self._open_decode_bounded(exchange, plan.method, plan.decode_target, body)
+
+    async def _concurrent(self, exchange: Exchange, plan: Plan) -> UpstreamResponse:
+        """Mooncake and SGLang: both legs at once; decode's response after the commit point.
+
+        Decode cannot produce a token before the KV arrives, so holding its
+        response until prefill has answered 2xx costs nothing and means the
+        client never sees a response that cannot complete. If prefill fails,
+        the held decode connection is closed (vLLM aborts the request;
+        otherwise it would wait 480 s, or for ever before 0.30). The prefill
+        leg runs in a task of its own: a client that leaves aborts decode at
+        once, but a prefill leg in flight is left to finish (bounded by the
+        prefill timeout), since aborting it mid-transfer can leak KV blocks.
+        """
+        prefill_task = self.spawn(self._prefill_leg(
+            exchange, plan.prefill, plan.prefill_target, plan.prefill_body,
+            plan.prefill_headers, want_kv=False))
+        decode_task = self.loop.create_task(
+            self._open_decode(exchange, plan.method, plan.decode_target, plan.decode_body))
+        try:
+            async with deadline(self.config.decode_timeout):
+                # Wait for prefill, or for decode to fail first (then answer at once).
+                await asyncio.wait((prefill_task, decode_task),
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if not (decode_task.done() and decode_task.exception() is not None):
+                    result = await asyncio.shield(prefill_task)
+                    if not result.ok:
+                        _drop_decode(decode_task)
+                        body = self._without_kv(exchange, plan, result.detail)
+                        exchange.decode_started = None  # a new decode leg, its own timeout
+                        return await self._open_decode_bounded(
+                            exchange, plan.method, plan.decode_target, body)
+                return await decode_task
+        except TimeoutError:
+            _drop_decode(decode_task)
+            raise DecodeTimedOut() from None
+        except BaseException:
+            _drop_decode(decode_task)  # the client left, or decode failed: abort at once
+            raise
+
+    def _without_kv(self, exchange: Exchange, plan: Plan, detail: str) -> bytes:
+        """The prefill-failure policy: decode recomputes the prompt, or the client gets 502."""
+        if self.config.on_prefill_failure == "error":
+            raise PrefillFailed(detail)
+        self.metrics.prefill_legs.inc(plan.handshake, "recompute")
+        logs.warn(log, "decode will recompute the prompt without transferred KV",
+                  exchange.request_id, handshake=plan.handshake)
+        return plan.fallback_body()
+
+    # -- decode
+
+    async def _open_decode_bounded(self, exchange: Exchange, method: bytes, target: bytes,
+                                   body: bytes | None) -> UpstreamResponse:
+        try:
+            async with self._decode_deadline(exchange):
+                return await self._open_decode(exchange, method, target, body)
+        except TimeoutError:
+            raise DecodeTimedOut() from None
+
+    async def _open_decode(self, exchange: Exchange, method: bytes, target: bytes,
+                           body: bytes | None) -> UpstreamResponse:
+        """Send the decode leg; return once decode's response head has arrived.
+
+        Endpoints that refuse the connection are cooled down and the next one is
+        tried (nothing reached them, so nothing runs twice).
+        """
+        if exchange.decode_started is None:
+            exchange.decode_started = time.perf_counter()
+        tried: tuple[Endpoint, ...] = ()
+        last_error = "no decode backend configured"
+        while True:
+            endpoint = self.decode.pick_least_loaded(tried)
+            if endpoint is None and not tried:
+                endpoint = self.decode.soonest_usable()  # all cooling down: try one anyway
+            if endpoint is None:
+                raise NoDecode(last_error)
+            try:
+                response = await self.upstream.request(endpoint, method, target,
+                                                       exchange.upstream_headers, body)
+            except UpstreamError as exc:
+                if exc.reason == "untrusted":
+                    raise NoDecode(exc.detail) from None
+                if exc.reason != "unreachable":
+                    raise DecodeFailed(exc) from None
+                self.decode.cool_down(endpoint)
+                logs.warn(log, f"decode backend unreachable: {exc.detail}",
+                          exchange.request_id, backend=endpoint.label)
+                last_error = exc.detail
+                tried += (endpoint,)
+                continue
+            endpoint.cooldown_until = 0.0  # it answered: usable again (and ready)
+            exchange.decode_backend = endpoint.label
+            return response
+
+    def _decode_deadline(self, exchange: Exchange) -> Any:
+        """What is left of PD_PROXY_DECODE_TIMEOUT_SECONDS for this decode leg.
+
+        No bound by default: a generation may stream for many minutes.
+        """
+        limit = self.config.decode_timeout
+        if limit is None or exchange.decode_started is None:
+            return deadline(limit)
+        return deadline(max(0.0, limit - (time.perf_counter() - exchange.decode_started)))
+
+    async def _copy_answer(self, exchange: Exchange, responder: ResponseWriter,
+                           response: UpstreamResponse) -> None:
+        """Relay an opened decode response within the decode timeout; always close it."""
+        try:
+            async with self._decode_deadline(exchange):
+                await self._relay(exchange, responder, response)
+        except TimeoutError:
+            raise DecodeTimedOut() from None
+        except (asyncio.CancelledError, ClientGone) as exc:
+            if isinstance(exc, ClientGone) or responder.client_gone:
+                self.metrics.decode_legs.inc("client-gone")
+            raise
+        finally:
+            await response.aclose()
+
+    async def _relay(self, exchange: Exchange, responder: ResponseWriter,
+                     response: UpstreamResponse) -> None:
+        """Decode's status, headers and body to the client, as each read arrives.
+
+        The body is never decompressed or re-parsed; what one read from decode
+        brought goes out in one write, and a slow client makes the relay stop
+        reading from decode (back-pressure).
+        """
+        headers, content_length = client_response_head(response.headers, exchange.wants_stream)
+        await responder.start(response.status, headers, content_length)
+        first_byte = self.metrics.decode_first_byte
+
+        def deliver(pieces: list[bytes]) -> bool:
+            if exchange.first_byte_ms is None:
+                exchange.first_byte_ms = exchange.elapsed_ms()
+                first_byte.observe(exchange.first_byte_ms / 1000.0)
+            for piece in pieces:
+                responder.buffer(piece)
+            responder.flush()
+            return responder.client_is_slow
+
+        try:
+            await response.deliver_body(deliver, responder.wait_for_client)
+        except UpstreamError as exc:
+            raise Truncated(exc.detail, response.endpoint.label) from None
+        if exchange.first_byte_ms is None:
+            exchange.first_byte_ms = exchange.elapsed_ms()
+            first_byte.observe(exchange.first_byte_ms / 1000.0)
+        await responder.end()
+        self.metrics.decode_legs.inc("ok")
+
+    # -- the one place a failure becomes a metric, a log line and an answer
+
+    async def answer_failure(self, exchange: Exchange, responder: ResponseWriter,
+                             failure: Failure) -> None:
+        """Count, log and answer one failure; cut the response if it had started."""
+        config = self.config
+        request_id = exchange.request_id
+        if isinstance(failure, NoDecode):
+            self.metrics.decode_legs.inc("unreachable")
+            logs.warn(log, f"no decode backend: {failure.detail}", request_id)
+            status, body = config.no_decode_status, answers.no_decode_backend(
+                config.no_decode_message)
+        elif isinstance(failure, DecodeFailed):
+            error = failure.error
+            self.metrics.decode_legs.inc("unreachable" if error.reason == "unreachable"
+                                         else "error")
+            logs.warn(log, f"decode backend failed before answering ({error.reason}): "
+                      f"{error.detail}", request_id,
+                      backend=error.endpoint.label if error.endpoint else None)
+            status = 504 if error.reason == "timeout" else 502
+            body = answers.decode_failed(status)
+        elif isinstance(failure, DecodeTimedOut):
+            self.metrics.decode_legs.inc("timeout")
+            logs.warn(log, f"decode did not finish within {config.decode_timeout:g}s",
+                      request_id, backend=exchange.decode_backend)
+            status, body = 504, answers.decode_timed_out()
+        elif isinstance(failure, PrefillFailed):
+            # Counted and logged where the prefill leg failed.
+            status, body = 502, answers.prefill_failed(failure.detail)
+        elif isinstance(failure, Truncated):
+            self.metrics.decode_legs.inc("truncated")
+            logs.warn(log, f"decode broke off its response after {responder.bytes_out} bytes; "
+                      f"the client's response is cut: {failure.detail}", request_id,
+                      backend=failure.backend)
+            raise AbortResponse()
+        else:  # pragma: no cover - every Failure is listed above
+            raise failure
+        if responder.started:
+            raise AbortResponse()  # a started response is cut, never completed
+        await responder.send_bytes(status, body)
+
+    # -- prefill
+
+    async def _prefill_leg(self, exchange: Exchange, endpoint: Endpoint, target: bytes,
+                           body: bytes, extra_headers: Headers,
+                           want_kv: bool) -> PrefillResult:
+        """Send one prefill leg and read its answer; bounded by the prefill timeout.
+
+        Never raises for a backend failure: the outcome says what happened and a
+        warning names it, with the request id. A failure drops the endpoint's
+        cached bootstrap map (a restarted prefill has new engine ids).
+        """
+        handshake = exchange.handshake or "relay"
+        started = time.perf_counter()
+        exchange.prefill_backend = endpoint.label
+        status = None
+        try:
+            async with deadline(self.config.prefill_timeout):
+                response = await self.upstream.request(endpoint, b"POST", target,
+                                                       exchange.upstream_headers, body,
+                                                       extra_headers=extra_headers)
+                status = response.status
+                try:
+                    raw = await response.read(MAX_PREFILL_ANSWER_BYTES)
+                finally:
+                    await response.aclose()
+            result = _prefill_outcome(response.status, raw, want_kv)
+        except TimeoutError:
+            result = PrefillResult(False, "timeout", detail="prefill did not answer within "
+                                   f"{self.config.prefill_timeout:g}s")
+        except UpstreamError as exc:
+            if exc.reason == "unreachable":
+                self.prefill.cool_down(endpoint)
+            result = PrefillResult(False, "timeout" if exc.reason == "timeout" else "error",
+                                   detail=exc.detail)
+        elapsed = time.perf_counter() - started
+        exchange.prefill_ms = elapsed * 1000.0
+        self.metrics.prefill_duration.observe(elapsed, handshake)
+        self.metrics.prefill_legs.inc(handshake, result.outcome)
+        if exchange.span is not None and self.tracing is not None:
+            self.tracing.record_prefill(exchange, endpoint.label, started, status, result.ok,
+                                        concurrent=not want_kv)
+        if not result.ok:
+            self.bootstrap.forget(endpoint)
+            logs.warn(log, f"prefill leg failed ({result.outcome}): {result.detail}",
+                      exchange.request_id, backend=endpoint.label, handshake=handshake)
+        return result
+
+
+def _prefill_outcome(status: int, raw: bytes, want_kv: bool) -> PrefillResult:
+    """What a prefill answer means for the decode leg."""
+    if not 200 <= status < 300:
+        return PrefillResult(False, "error", detail=f"prefill answered {status}")
+    if not want_kv:
+        return PrefillResult(True, "ok")
+    try:
+        answer = json.loads(raw)
+    except ValueError:
+        answer = None
+    kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    return PrefillResult(True, "ok", kv)
+
+
+def _drop_decode(task: asyncio.Task[UpstreamResponse]) -> None:
+    """Close a decode leg that will not be relayed, however far it got."""
+    if not task.done():
+        task.cancel()  # its connection is discarded: decode sees the drop and aborts
+        task.add_done_callback(_close_late)
+        return
+    _close_late(task)
+
+
+def _close_late(task: asyncio.Task[UpstreamResponse]) -> None:
+    if task.cancelled() or task.exception() is not None:
+        return
+    task.result().abandon()

@@ -1,0 +1,48 @@
+"""From a generation request to its Plan: decode only, or which handshake's two legs.
+
+Everything that decides *what* is sent lives in the handshakes' plan()
+functions and legs.py, which are pure; this module picks one, and makes the
+random parts (Mooncake's transfer id, SGLang's room) and awaits the one input
+that needs I/O (Mooncake's bootstrap map), so that the plans stay pure.
+"""
+
+from __future__ import annotations
+
+import random
+import uuid
+from typing import Any
+
+from ..config import Config
+from . import mooncake, relay, sglang
+from .bootstrap import BootstrapCache, BootstrapError
+from .legs import Body, Plan, decode_only_plan, serialise
+
+_rooms = random.SystemRandom()
+
+
+async def plan_generation(config: Config, bootstrap: BootstrapCache, target: bytes,
+                          body: Body, prefill: Any, prefill_configured: bool) -> Plan:
+    """The plan for one generation request whose prefill leg would go to ``prefill``."""
+    handshake = config.kv_protocol
+    if prefill is None:
+        if prefill_configured:  # dns+ names that resolve to no address
+            return decode_only_plan(b"POST", target, None, handshake, client_body=body,
+                                    prefill_failure="no usable prefill endpoint")
+        # No prefill configured: decode computes the prompt itself, no handshake.
+        return decode_only_plan(b"POST", target, serialise(body), handshake)
+    if handshake == "relay":
+        return relay.plan(body, target, prefill)
+    if handshake == "sglang":
+        port = prefill.spec.bootstrap_port or config.sglang_bootstrap_port
+        room = _rooms.getrandbits(63)  # non-negative, fits SGLang's int64 room id
+        return sglang.plan(body, target, prefill, prefill.bootstrap_host, port, room)
+    try:
+        engines = await bootstrap.engines(prefill)
+    except BootstrapError as exc:
+        failed = decode_only_plan(b"POST", target, None, handshake, client_body=body,
+                                  prefill_failure=str(exc))
+        failed.prefill = prefill
+        return failed
+    rank, engine_id = engines.next_rank()
+    return mooncake.plan(body, target, prefill, rank, engine_id,
+                         bootstrap.bootstrap_addr(prefill), f"xfer-{uuid.uuid4()}")
