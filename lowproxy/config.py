@@ -15,9 +15,22 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from .config_values import (EndpointSpec, allow_list, bool_value, choice, endpoints, int_in,
-                            optional_seconds, parse_endpoint, parse_port, seconds_value,
-                            split_host_port, status_value, stripped, text_value)
+from .config_values import (
+    EndpointSpec,
+    allow_list,
+    bool_value,
+    choice,
+    endpoints,
+    int_in,
+    optional_seconds,
+    parse_endpoint,
+    parse_port,
+    seconds_value,
+    split_host_port,
+    status_value,
+    stripped,
+    text_value,
+)
 
 __all__ = ["SETTINGS", "Config", "ConfigError", "EndpointSpec", "Setting", "build_parser",
            "load_config", "parse_endpoint", "parse_port", "split_host_port"]

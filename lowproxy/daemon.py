@@ -8,41 +8,48 @@ closed and the process exits 0. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import dataclasses
 import logging
 import os
 import signal
 import socket
 import sys
-from typing import Any
+import zipimport
+from importlib import metadata
+from typing import Any, Callable
+
+import h11
+import httpcore
 
 from . import __version__, logs
 from .config import Config, ConfigError, load_config, parse_endpoint
+from .demo import start_pair
 from .proxy import Proxy
 from .server import HttpServer, Limits
 from .tls import TrustUnavailable
+
+try:  # the optional fast event loop (pip install 'lowproxy[fast]')
+    import uvloop
+
+    UVLOOP_FACTORY: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+except ImportError:
+    UVLOOP_FACTORY = None
 
 log = logging.getLogger("lowproxy")
 
 
 def version_text() -> str:
-    import h11
-    import httpcore
-
     parts = [f"lowproxy {__version__}", f"h11 {h11.__version__}",
              f"httpcore {httpcore.__version__}"]
     # anyio (httpcore's asyncio extra) has no __version__; the distribution
     # metadata has it, also inside the single-file build (lowproxy.pack).
-    from importlib import metadata
-
     try:
         parts.append(f"anyio {metadata.version('anyio')}")
     except metadata.PackageNotFoundError:
         pass
     parts.append(f"python {sys.version.split()[0]}")
-    import zipimport
-
-    if isinstance(__loader__, zipimport.zipimporter):
+    if isinstance(globals().get("__loader__"), zipimport.zipimporter):
         parts.append("single file")  # running from the lowproxy.pack zipapp
     return ", ".join(parts)
 
@@ -55,12 +62,10 @@ def limits_of(config: Config) -> Limits:
 
 
 async def serve(config: Config, sock: socket.socket | None = None,
-                ready: "asyncio.Future[int] | None" = None) -> int:
+                ready: asyncio.Future[int] | None = None) -> int:
     """Run one proxy process until a signal drains it; return the exit status."""
     demo = None
     if config.demo:
-        from .demo import start_pair
-
         demo = await start_pair()
         config = dataclasses.replace(
             config, prefill=(parse_endpoint(demo[0].url + f"#bootstrap_port="
@@ -125,18 +130,14 @@ async def serve(config: Config, sock: socket.socket | None = None,
 
 def _run(config: Config, sock: socket.socket | None = None) -> int:
     """Run serve() on the configured event loop."""
-    loop_factory = None
+    loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
     if config.loop in ("auto", "uvloop"):
-        try:
-            import uvloop
-
-            loop_factory = uvloop.new_event_loop
-        except ImportError:
-            if config.loop == "uvloop":
-                print("lowproxy: PD_PROXY_LOOP: uvloop is not installed "
-                      "(pip install 'lowproxy[fast]')", file=sys.stderr)
-                return 2
-    loop_factory = loop_factory or asyncio.new_event_loop
+        if UVLOOP_FACTORY is not None:
+            loop_factory = UVLOOP_FACTORY
+        elif config.loop == "uvloop":
+            print("lowproxy: PD_PROXY_LOOP: uvloop is not installed "
+                  "(pip install 'lowproxy[fast]')", file=sys.stderr)
+            return 2
     loop = loop_factory()
     asyncio.set_event_loop(loop)
     try:
@@ -152,8 +153,6 @@ def _run(config: Config, sock: socket.socket | None = None) -> int:
 def _die_with(parent: int) -> None:
     """Make a worker get SIGTERM when its parent dies (Linux), so none is orphaned."""
     try:
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):  # not Linux: the parent's signal forwarding remains

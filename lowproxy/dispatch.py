@@ -200,21 +200,24 @@ class Dispatcher:
                 # Wait for prefill, or for decode to fail first (then answer at once).
                 await asyncio.wait((prefill_task, decode_task),
                                    return_when=asyncio.FIRST_COMPLETED)
+                result = None
                 if not (decode_task.done() and decode_task.exception() is not None):
                     result = await asyncio.shield(prefill_task)
-                    if not result.ok:
-                        _drop_decode(decode_task)
-                        body = self._without_kv(exchange, plan, result.detail)
-                        exchange.decode_started = None  # a new decode leg, its own timeout
-                        return await self._open_decode_bounded(
-                            exchange, plan.method, plan.decode_target, body)
-                return await decode_task
+                if result is None or result.ok:
+                    response = await decode_task
+                else:
+                    _drop_decode(decode_task)
+                    body = self._without_kv(exchange, plan, result.detail)
+                    exchange.decode_started = None  # a new decode leg, its own timeout
+                    response = await self._open_decode_bounded(
+                        exchange, plan.method, plan.decode_target, body)
         except TimeoutError:
             _drop_decode(decode_task)
             raise DecodeTimedOut() from None
         except BaseException:
             _drop_decode(decode_task)  # the client left, or decode failed: abort at once
             raise
+        return response
 
     def _without_kv(self, exchange: Exchange, plan: Plan, detail: str) -> bytes:
         """The prefill-failure policy: decode recomputes the prompt, or the client gets 502."""

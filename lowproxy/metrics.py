@@ -25,7 +25,7 @@ def _escape(value: str) -> str:
 
 
 def _labels(names: Iterable[str], values: Iterable[str], extra: str = "") -> str:
-    parts = [f'{name}="{_escape(value)}"' for name, value in zip(names, values)]
+    parts = [f'{name}="{_escape(value)}"' for name, value in zip(names, values, strict=False)]
     if extra:
         parts.append(extra)
     return "{" + ",".join(parts) + "}" if parts else ""
@@ -102,7 +102,7 @@ class Histogram:
     def samples(self) -> Iterable[str]:
         for labels, (counts, total) in self.values.items():
             running = 0
-            for bound, count in zip((*self.buckets, float("inf")), counts):
+            for bound, count in zip((*self.buckets, float("inf")), counts, strict=True):
                 running += count
                 le = 'le="' + _number(bound) + '"'
                 yield f"{self.name}_bucket{_labels(self.labelnames, labels, le)} {running}"

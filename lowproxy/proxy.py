@@ -22,8 +22,15 @@ from .config import Config
 from .dispatch import Dispatcher
 from .exchange import Exchange
 from .handshakes.bootstrap import BootstrapCache
-from .handshakes.legs import (BodyError, Plan, decode_only_plan, parse_client_body, serialise,
-                              wants_stream, without_client_kv)
+from .handshakes.legs import (
+    BodyError,
+    Plan,
+    decode_only_plan,
+    parse_client_body,
+    serialise,
+    wants_stream,
+    without_client_kv,
+)
 from .handshakes.planner import plan_generation
 from .headers import forwarded_request_headers
 from .messages import ClientRequest, ResponseWriter

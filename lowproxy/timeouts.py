@@ -38,7 +38,7 @@ else:  # pragma: no cover - Python 3.10
             self.handle: asyncio.TimerHandle | None = None
             self.expired = False
 
-        async def __aenter__(self) -> "deadline":
+        async def __aenter__(self) -> deadline:
             if self.seconds is not None:
                 task = asyncio.current_task()
                 loop = asyncio.get_running_loop()

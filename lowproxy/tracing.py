@@ -16,13 +16,21 @@ import os
 import time
 from typing import Any
 
+try:  # optional: spans only when opentelemetry-api is installed
+    from opentelemetry import trace as otel_trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    OTEL_INSTALLED = True
+except ImportError:
+    OTEL_INSTALLED = False
+
 log = logging.getLogger("lowproxy.tracing")
 
 PREFIX = "llm_d.pd_proxy"
 
 
 def trace_context(request: Any, upstream_headers: list[tuple[bytes, bytes]],
-                  start_traces: bool, tracing: "Tracing | None") -> tuple[str | None, Any]:
+                  start_traces: bool, tracing: Tracing | None) -> tuple[str | None, Any]:
     """W3C trace context for both legs: the trace id to log, and the server span if any.
 
     The client's traceparent/tracestate reach both legs (the server span's own
@@ -53,15 +61,14 @@ def trace_context(request: Any, upstream_headers: list[tuple[bytes, bytes]],
 
 class Tracing:
     def __init__(self) -> None:
-        from opentelemetry import trace
-        from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
-
-        self._trace = trace
-        self._tracer = trace.get_tracer("lowproxy")
+        if not OTEL_INSTALLED:
+            raise ImportError("opentelemetry-api is not installed")
+        self._trace = otel_trace
+        self._tracer = otel_trace.get_tracer("lowproxy")
         self._propagator = TraceContextTextMapPropagator()
 
     @classmethod
-    def create(cls, enabled: bool) -> "Tracing | None":
+    def create(cls, enabled: bool) -> Tracing | None:
         if not enabled:
             return None
         try:

@@ -215,12 +215,25 @@ class Daemon:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
+            self._collect()
+
+    def _collect(self) -> None:
+        """Once the process has exited: keep what it still wrote, close the pipes."""
+        for pipe in (self.proc.stdout, self.proc.stderr):
+            if pipe is None or pipe.closed:
+                continue
+            try:
+                rest = pipe.read().decode(errors="replace")
+            except ValueError:  # closed by a follow_output thread meanwhile
+                rest = ""
+            if pipe is self.proc.stderr and rest:
+                self.lines.append(rest)
+            pipe.close()
 
     def output(self) -> str:
-        assert self.proc.stderr is not None
-        if self.proc.poll() is None:
-            return "".join(self.lines)
-        return "".join(self.lines) + self.proc.stderr.read().decode(errors="replace")
+        if self.proc.poll() is not None:
+            self._collect()
+        return "".join(self.lines)
 
 
 async def wait_until(predicate: Any, timeout: float = 5.0, what: str = "condition") -> None:
@@ -253,7 +266,7 @@ class ScriptedBackend:
         self.server = HttpServer(self._handle)
         self.port = 0
 
-    async def start(self, ssl: Any = None, host: str = "127.0.0.1") -> "ScriptedBackend":
+    async def start(self, ssl: Any = None, host: str = "127.0.0.1") -> ScriptedBackend:
         await self.server.listen(host, 0, ssl=ssl)
         self.port = self.server.ports[0]
         return self
@@ -362,7 +375,7 @@ def parse_replies(raw: bytes, head_only: bool = False) -> list[Reply]:
     return replies
 
 
-def follow_output(daemon: Daemon) -> "threading.Thread":
+def follow_output(daemon: Daemon) -> threading.Thread:
     """Keep reading a running daemon's stderr into ``daemon.lines``.
 
     A daemon that logs more than a pipe holds (64 KiB) would block on its next

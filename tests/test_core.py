@@ -11,10 +11,16 @@ import json
 
 import h11
 import pytest
-
 from helpers import (
-    ScriptedBackend, chat, config_for, exchange, free_port, pd_setup, running_proxy,
+    ScriptedBackend,
+    chat,
+    config_for,
+    exchange,
+    free_port,
+    pd_setup,
+    running_proxy,
 )
+
 from lowproxy.demo import DemoBackend
 
 NO_DECODE = {"error": {"message": "no available decode backend", "type": "no_decode_backend"}}
@@ -319,7 +325,7 @@ class RawClient:
         self.conn = h11.Connection(h11.CLIENT)
 
     @classmethod
-    async def open(cls, port: int) -> "RawClient":
+    async def open(cls, port: int) -> RawClient:
         return cls(*await asyncio.open_connection("127.0.0.1", port))
 
     def send_request(self, method: str, target: str, body: bytes = b"") -> None:
@@ -454,7 +460,7 @@ async def test_pipelined_requests_are_answered_in_order():
         requests = [("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
                     ("POST", "/v1/completions"), ("POST", "/v1/tokenize")]
         wire = b""
-        for (method, target), body in zip(requests, bodies):
+        for (method, target), body in zip(requests, bodies, strict=True):
             raw = json.dumps(body).encode() if body is not None else b""
             wire += (f"{method} {target} HTTP/1.1\r\nhost: x\r\n"
                      f"content-length: {len(raw)}\r\n\r\n").encode() + raw

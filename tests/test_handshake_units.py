@@ -10,8 +10,12 @@ import pytest
 from lowproxy.backends import BackendGroup, PrefillTargetAllowList, split_host_port
 from lowproxy.config import ConfigError, EndpointSpec, load_config, parse_endpoint
 from lowproxy.handshakes import bootstrap
-from lowproxy.handshakes.bootstrap import BootstrapCache, BootstrapError, EngineMap, \
-    parse_query_answer
+from lowproxy.handshakes.bootstrap import (
+    BootstrapCache,
+    BootstrapError,
+    EngineMap,
+    parse_query_answer,
+)
 from lowproxy.handshakes.legs import mooncake_bodies, sglang_body
 from lowproxy.upstream import Endpoint
 

@@ -13,11 +13,15 @@ import json
 import logging
 
 import pytest
-
 from helpers import chat, config_for, free_port, pd_setup, running_proxy
+
 from lowproxy.demo import DemoBackend
 from lowproxy.handshakes.legs import (
-    BodyError, parse_client_body, relay_decode_body, relay_prefill_body, serialise,
+    BodyError,
+    parse_client_body,
+    relay_decode_body,
+    relay_prefill_body,
+    serialise,
     without_client_kv,
 )
 

@@ -16,8 +16,16 @@ import resource
 import socket
 
 import pytest
-from helpers import (ScriptedBackend, chat, config_for, parse_replies, pd_setup, raw_exchange,
-                     running_proxy, wait_until)
+from helpers import (
+    ScriptedBackend,
+    chat,
+    config_for,
+    parse_replies,
+    pd_setup,
+    raw_exchange,
+    running_proxy,
+    wait_until,
+)
 
 from lowproxy.config import Config, load_config
 from lowproxy.netstream import READ_HIGH_WATER, _StreamProtocol

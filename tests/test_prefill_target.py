@@ -53,7 +53,10 @@ async def test_allowed_target_gets_the_prefill_leg_and_never_the_header():
 
 async def test_allowlist_entries_by_host_and_by_host_port():
     for allow in ("127.0.0.1", "127.0.0.1:{port}"):
-        async with cluster(lambda b: [allow.format(port=b.port)]) as (proxy, (a, b, c), decode):
+        def allowed(b, allow=allow):
+            return [allow.format(port=b.port)]
+
+        async with cluster(allowed) as (proxy, (a, b, c), decode):
             reply = await proxy.request("POST", CHAT, chat(),
                                         headers=[(HEADER, f"127.0.0.1:{b.port}")])
             assert reply.status == 200, (allow, reply.body)

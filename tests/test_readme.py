@@ -8,7 +8,14 @@ import re
 from lowproxy.config import SETTINGS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+
+
+def _read(*parts: str) -> str:
+    with open(os.path.join(ROOT, *parts), encoding="utf-8") as file:
+        return file.read()
+
+
+README = _read("README.md")
 
 
 def test_every_setting_is_in_the_configuration_reference():
@@ -20,7 +27,7 @@ def test_every_setting_is_in_the_configuration_reference():
 
 
 def test_ci_runs_the_readme_test_command():
-    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    ci = _read(".ci", "run")
     command = "python3 -m venv .venv && .venv/bin/pip install -e '.[test]' && " \
               ".venv/bin/python -m pytest"
     assert command in README and command in ci

@@ -8,7 +8,8 @@ from helpers import chat, pd_setup
 async def test_relay_prefill_then_decode_with_kv_relayed():
     async with pd_setup() as (proxy, prefill, decode):
         reply = await proxy.request("POST", "/v1/chat/completions",
-                                    chat(stream=True, stream_options={"include_usage": True}, min_tokens=2,
+                                    chat(stream=True, stream_options={"include_usage": True},
+                                         min_tokens=2,
                                          max_completion_tokens=5,
                                          kv_transfer_params={"remote_host": "evil"}))
         assert reply.status == 200, reply.body

@@ -37,6 +37,7 @@ async def daemon_in_front(chunks: int, chunk_delay: float, drain: float, **env: 
             daemon.proc.kill()
         await asyncio.to_thread(daemon.proc.wait)
         await asyncio.to_thread(output.join, 5)
+        daemon.output()  # collects what is left and closes the pipes
         await prefill.close()
         await decode.close()
 
@@ -49,7 +50,7 @@ class Stream:
         self.raw = b""
 
     @classmethod
-    async def open(cls, port: int) -> "Stream":
+    async def open(cls, port: int) -> Stream:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         body = json.dumps(chat(stream=True)).encode()
         writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
@@ -127,6 +128,8 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0():
         assert body.count(b"data: {") == 40
         assert await asyncio.to_thread(daemon.proc.wait, 30) == 0
         assert decode.aborted_streams == 0
+        probe[1].close()
+        worker[1].close()
     assert "drained; exiting" in daemon.output()
 
 
@@ -151,6 +154,7 @@ async def test_idle_daemon_exits_at_once_on_sigterm():
         # Nothing in flight: no waiting for the drain deadline (25 s).
         assert await asyncio.to_thread(daemon.proc.wait, 10) == 0
         assert await asyncio.wait_for(idle[0].read(), 5) == b""  # closed
+        idle[1].close()
 
 
 async def test_second_signal_exits_at_once():

@@ -12,8 +12,8 @@ import ssl
 
 import pytest
 import trustme
-
 from helpers import Daemon, chat, config_for, running_proxy
+
 from lowproxy.demo import DemoBackend, KvRegistry
 from lowproxy.proxy import Proxy
 from lowproxy.tls import TrustUnavailable
@@ -151,8 +151,10 @@ async def test_prefill_with_bad_tls_is_hidden_and_decode_gets_no_kv(ca, other_ca
 # -- the CA file at start
 
 
-@pytest.mark.parametrize("content", [None, b"", b"not a certificate\n",
-                                     b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"])
+BROKEN_PEM = b"-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n"
+
+
+@pytest.mark.parametrize("content", [None, b"", b"not a certificate\n", BROKEN_PEM])
 def test_unusable_ca_file_stops_the_start(tmp_path, content):
     path = str(tmp_path / "ca.pem")
     if content is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections import OrderedDict
+from functools import partial
 from typing import Callable
 
 from ..config import EndpointSpec
@@ -98,9 +99,12 @@ class BootstrapCache:
         if pending is None:
             pending = asyncio.ensure_future(self._query(endpoint))
             self._queries[key] = pending
-            pending.add_done_callback(lambda _f, key=key: self._queries.pop(key, None))
+            pending.add_done_callback(partial(self._query_done, key))
         # Shielded: one client leaving must not cancel a query others wait on.
         return await asyncio.shield(pending)
+
+    def _query_done(self, key: str, _future: object) -> None:
+        self._queries.pop(key, None)
 
     async def _query(self, endpoint: Endpoint) -> EngineMap:
         loop = asyncio.get_running_loop()
