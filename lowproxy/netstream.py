@@ -14,6 +14,7 @@ import asyncio
 import re
 import socket
 import ssl
+from collections.abc import Callable
 from typing import Any
 
 import httpcore
@@ -30,7 +31,7 @@ WRITE_COALESCE = 64 * 1024
 
 class _StreamProtocol(asyncio.Protocol):
     __slots__ = ("transport", "chunks", "size", "eof", "error", "reader", "writer",
-                 "reading_paused", "writing_paused", "loop", "sink")
+                 "reading_paused", "writing_paused", "loop", "sink", "received")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -46,11 +47,14 @@ class _StreamProtocol(asyncio.Protocol):
         # While a body is relayed straight from this connection (see
         # AsyncioStream.attach), arriving bytes go to the sink, not the buffer.
         self.sink: Any = None
+        # Bytes that ever arrived: whether a failed exchange saw any answer at all.
+        self.received = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.received += len(data)
         if self.sink is not None:
             self.sink.data_received(data)
             return
@@ -93,6 +97,21 @@ class _StreamProtocol(asyncio.Protocol):
             reader.set_result(None)
 
 
+class _IdleWatch:
+    """The sink of an idle connection (see AsyncioStream.watch_idle)."""
+
+    __slots__ = ("on_event",)
+
+    def __init__(self, on_event: Callable[[], None]) -> None:
+        self.on_event = on_event
+
+    def data_received(self, data: bytes) -> None:
+        self.on_event()
+
+    def connection_closed(self, exc: BaseException | None) -> None:
+        self.on_event()
+
+
 def _expire(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_exception(TimeoutError())
@@ -102,11 +121,13 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
     """httpcore's network stream interface over one asyncio transport."""
 
     __slots__ = ("_protocol", "_transport", "_unsent", "head_only", "_head_tail",
-                 "_injected")
+                 "_injected", "bytes_sent")
 
     def __init__(self, protocol: _StreamProtocol) -> None:
         self._protocol = protocol
-        self._transport = protocol.transport
+        transport = protocol.transport
+        assert transport is not None, "a stream is made once the connection is"
+        self._transport: asyncio.Transport = transport
         # httpcore writes a request's head and body separately; both go out in
         # one segment when the response is first read. On loopback every send
         # also runs the peer's receive path, so a write saved is CPU saved.
@@ -117,6 +138,10 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         self.head_only = False
         self._head_tail = b""
         self._injected = b""
+        # Bytes handed to the transport, over the connection's life. Writes wait
+        # in _unsent until the first read, so this, not httpcore's write calls,
+        # says whether a request can have reached the backend.
+        self.bytes_sent = 0
 
     async def _wait(self, attr: str, timeout: float | None) -> None:
         protocol = self._protocol
@@ -139,6 +164,10 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
     def at_eof(self) -> bool:
         return self._protocol.eof
 
+    @property
+    def bytes_received(self) -> int:
+        return self._protocol.received
+
     def attach(self, sink: Any) -> bytes:
         """Send arriving bytes to ``sink`` (its data_received and connection_closed)
         instead of buffering them; return what was already buffered."""
@@ -154,6 +183,18 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
 
     def detach(self) -> None:
         self._protocol.sink = None
+
+    def watch_idle(self, on_event: Callable[[], None]) -> bool:
+        """Call ``on_event`` once anything comes (bytes, EOF, a reset); until detach().
+
+        For a connection idle between requests, where anything from the peer
+        means the connection is done for. False, with no watch set, when
+        something already came.
+        """
+        if self._protocol.eof or self._protocol.chunks:
+            return False
+        self.attach(_IdleWatch(on_event))
+        return True
 
     def pause_reading(self) -> None:
         protocol = self._protocol
@@ -238,8 +279,14 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
 
     def _send_unsent(self) -> None:
         unsent = self._unsent
-        self._transport.write(unsent[0] if len(unsent) == 1 else b"".join(unsent))
+        data = unsent[0] if len(unsent) == 1 else b"".join(unsent)
         unsent.clear()
+        if self._protocol.eof or self._transport.is_closing():
+            # The backend hung up before these bytes left: they are dropped,
+            # never sent, so the request is known not to have reached it.
+            return
+        self.bytes_sent += len(data)
+        self._transport.write(data)
 
     async def aclose(self) -> None:
         self.close()
