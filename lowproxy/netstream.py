@@ -1,4 +1,4 @@
-"""An asyncio-native network stream for httpcore.
+"""What lowproxy puts under httpcore's HTTP/1.1 connection: an asyncio-native stream.
 
 httpcore's default asyncio path goes through anyio's socket streams, which cost
 several event-loop round trips per read. This stream is a plain
@@ -6,6 +6,10 @@ several event-loop round trips per read. This stream is a plain
 and reading pauses when the buffer passes a high-water mark, so a consumer that
 stops reading (a slow client downstream) pushes back on the backend through
 TCP instead of growing memory.
+
+http11_connection() builds the httpcore connection over such a stream, with
+the two private parts of httpcore replaced (a lock that never waits, an h11
+state that reports 1xx responses): tests/test_httpcore_fence.py pins both.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import ssl
 from collections.abc import Callable
 from typing import Any
 
+import h11
 import httpcore
 
 from .timeouts import deadline
@@ -312,6 +317,62 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         if info == "socket":
             return self._transport.get_extra_info("socket")
         return None
+
+
+# Called with (status, headers) for each 1xx response before the final one.
+Informational = Callable[[int, list[tuple[bytes, bytes]]], None]
+
+
+class _Exclusive:
+    """A lock that never waits.
+
+    httpcore guards each connection's state with an anyio lock because its own
+    pool may share a connection between tasks. Ours never does (one exchange
+    per connection at a time, by construction), and anyio's lock costs an
+    event-loop round trip per acquire, twice per request; it also suspends,
+    and closing a response must not (it runs in cancelled tasks' finally).
+    """
+
+    async def __aenter__(self) -> _Exclusive:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+_EXCLUSIVE = _Exclusive()
+
+
+class H11Client(h11.Connection):
+    """httpcore's h11 state machine, telling us of the 1xx responses it skips.
+
+    httpcore reads past informational responses (103 Early Hints) without a
+    word; a proxy must forward them (RFC 9110 section 15.2). h11 has parsed
+    and validated each one by the time next_event returns it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(our_role=h11.CLIENT, max_incomplete_event_size=httpcore
+                         .AsyncHTTP11Connection.MAX_INCOMPLETE_EVENT_SIZE)
+        self.on_informational: Informational | None = None
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if (type(event) is h11.InformationalResponse and event.status_code != 101
+                and self.on_informational is not None):
+            self.on_informational(event.status_code, event.headers.raw_items())
+        return event
+
+
+def http11_connection(origin: httpcore.Origin, stream: AsyncioStream,
+                      keepalive_expiry: float | None
+                      ) -> tuple[httpcore.AsyncHTTP11Connection, H11Client]:
+    """httpcore's HTTP/1.1 connection over ``stream``, and the h11 state it parses with."""
+    http = httpcore.AsyncHTTP11Connection(origin, stream, keepalive_expiry=keepalive_expiry)
+    # Private httpcore attributes, pinned by tests/test_httpcore_fence.py.
+    http._state_lock = _EXCLUSIVE  # type: ignore[assignment]
+    state = http._h11_state = H11Client()
+    return http, state
 
 
 class AsyncioBackend(httpcore.AsyncNetworkBackend):

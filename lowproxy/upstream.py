@@ -21,14 +21,13 @@ import logging
 import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
-import h11
 import httpcore
 
 from .chunked import ChunkedError, ChunkedRelay, Deliver
 from .config import Config, EndpointSpec
-from .netstream import AsyncioBackend, AsyncioStream
+from .netstream import AsyncioBackend, AsyncioStream, H11Client, Informational, http11_connection
 from .tls import TrustStore, TrustUnavailable
 from .upstream_errors import (
     UpstreamClosed,
@@ -54,50 +53,7 @@ MAX_IDLE_PER_ENDPOINT = 256
 REPLAYABLE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
 IDEMPOTENCY_HEADERS = frozenset({b"idempotency-key", b"x-idempotency-key"})
 
-# Called with (status, headers) for each 1xx response before the final one.
-Informational = Callable[[int, list[tuple[bytes, bytes]]], None]
-
-
-class _Exclusive:
-    """A lock that never waits.
-
-    httpcore guards each connection's state with an anyio lock because its own
-    pool may share a connection between tasks. Ours never does (one exchange
-    per connection at a time, by construction), and anyio's lock costs an
-    event-loop round trip per acquire, twice per request.
-    """
-
-    async def __aenter__(self) -> _Exclusive:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
-_EXCLUSIVE = _Exclusive()
 _SENT: tuple[bytes, ...] = ()  # an empty body, for requests already sent
-
-
-class _ClientH11(h11.Connection):
-    """httpcore's h11 state machine, telling us of the 1xx responses it skips.
-
-    httpcore reads past informational responses (103 Early Hints) without a
-    word; a proxy must forward them (RFC 9110 section 15.2). h11 has parsed
-    and validated each one by the time next_event returns it.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(our_role=h11.CLIENT,
-                         max_incomplete_event_size=httpcore.AsyncHTTP11Connection
-                         .MAX_INCOMPLETE_EVENT_SIZE)
-        self.on_informational: Informational | None = None
-
-    def next_event(self) -> Any:
-        event = super().next_event()
-        if (type(event) is h11.InformationalResponse and event.status_code != 101
-                and self.on_informational is not None):
-            self.on_informational(event.status_code, event.headers.raw_items())
-        return event
 
 
 class _BodyStream(Protocol):
@@ -148,7 +104,7 @@ class _Pooled:
     __slots__ = ("http", "stream", "h11", "created", "generation", "requests")
 
     def __init__(self, http: httpcore.AsyncHTTP11Connection, stream: AsyncioStream,
-                 h11_state: _ClientH11, generation: int) -> None:
+                 h11_state: H11Client, generation: int) -> None:
         self.http = http
         self.stream: AsyncioStream | None = stream
         self.h11 = h11_state
@@ -412,11 +368,7 @@ class Upstream:
                 ssl_context=ssl_context, server_hostname=endpoint.server_hostname)
         except (httpcore.ConnectTimeout, httpcore.ConnectError) as exc:
             raise UpstreamUnreachable(str(exc), endpoint) from None
-        http = httpcore.AsyncHTTP11Connection(endpoint.origin, stream,
-                                              keepalive_expiry=self.config.upstream_idle)
-        # Private httpcore attributes, pinned by tests/test_httpcore_fence.py.
-        http._state_lock = _EXCLUSIVE  # type: ignore[assignment]  # see _Exclusive
-        h11_state = http._h11_state = _ClientH11()
+        http, h11_state = http11_connection(endpoint.origin, stream, self.config.upstream_idle)
         endpoint.open += 1
         return _Pooled(http, stream, h11_state, generation)
 
