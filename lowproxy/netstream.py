@@ -139,7 +139,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         self._unsent: list[bytes] = []
         # While set, a read returns nothing past the blank line that ends a
         # response head, so h11 never holds body bytes and the body can be
-        # read from this stream directly (see UpstreamResponse.body_batches).
+        # read from this stream directly (see UpstreamResponse._relay_chunked).
         self.head_only = False
         self._head_tail = b""
         self._injected = b""
@@ -298,6 +298,8 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
 
     def close(self) -> None:
         """Close at once, without waiting (safe in a cancelled task or a finally)."""
+        if isinstance(self._protocol.sink, _IdleWatch):
+            self._protocol.sink = None  # its owner is closing it: no call back
         transport = self._transport
         if not transport.is_closing():
             # abort(): an unfinished response must not be drained, and a decode

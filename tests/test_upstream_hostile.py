@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -66,6 +67,7 @@ class Hostile:
     def __init__(self, *script: list[Any]) -> None:
         self.script = script
         self.requests: list[tuple[int, bytes]] = []  # (connection number, head)
+        self.bodies: list[bytes] = []
         self.connections = 0
         self.port = 0
         self.server: asyncio.AbstractServer | None = None
@@ -92,7 +94,7 @@ class Hostile:
                 for line in head.split(b"\r\n"):
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":")[1])
-                await reader.readexactly(length)
+                self.bodies.append(await reader.readexactly(length))
                 step = self.script[min(len(self.requests), len(self.script) - 1)]
                 self.requests.append((number, head))
                 for action in step:
@@ -461,3 +463,19 @@ async def test_end_to_end_early_hints_leave_the_answer_and_the_pool_intact(metho
             reply = await proxy.request(method, path, body)
             assert reply.status == 200 and reply.complete and reply.body == b'{"ok": 1}'
     assert backend.connections == 1
+
+
+async def test_end_to_end_a_prefill_overrun_never_answers_the_next_prefill_leg():
+    prefill_answer = b'{"kv_transfer_params": {"remote_block_ids": [[1]], "n": %d}}'
+    async with hostile([answer(prefill_answer % 1) + answer(prefill_answer % 666)],
+                       [answer(prefill_answer % 2)]) as prefill, \
+            hostile([answer(b'{"ok": 1}')]) as decode, \
+            running_proxy(config_for(prefill=prefill.url, decode=decode.url)) as proxy:
+        for _ in range(2):
+            reply = await proxy.request("POST", "/v1/chat/completions", chat())
+            assert reply.status == 200 and reply.body == b'{"ok": 1}'
+    assert prefill.connections == 2  # the overrun retired the first prefill connection
+    assert decode.connections == 1
+    # Each decode leg carried its own prefill's answer, never the forged one.
+    sent = [json.loads(body)["kv_transfer_params"]["n"] for body in decode.bodies]
+    assert sent == [1, 2]
