@@ -320,11 +320,14 @@ class Upstream:
                 raise UpstreamTimeout(f"{endpoint.label}: {exc}", endpoint) from None
             if not isinstance(exc, (httpcore.RemoteProtocolError, httpcore.NetworkError)):
                 raise
-            detail = f"{endpoint.label}: {exc or type(exc).__name__}"
+            cause = exc or type(exc).__name__
             if stream.bytes_received == received:
-                raise UpstreamClosed(detail, endpoint,
-                                     request_sent=stream.bytes_sent != sent) from None
-            raise UpstreamProtocolError(detail, endpoint) from None
+                was_sent = stream.bytes_sent != sent
+                raise UpstreamClosed(
+                    f"{endpoint.label} closed the connection "
+                    f"{'after the request was sent' if was_sent else 'before the request'}"
+                    f", before answering: {cause}", endpoint, request_sent=was_sent) from None
+            raise UpstreamProtocolError(f"{endpoint.label}: {cause}", endpoint) from None
         finally:
             pooled.h11.on_informational = None
             stream.head_only = False

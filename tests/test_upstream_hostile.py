@@ -274,8 +274,10 @@ async def test_a_retried_request_that_fails_again_is_not_tried_a_third_time():
 async def test_a_fresh_connection_is_never_retried():
     # Not the keep-alive race: a backend that takes a request and hangs up.
     async with hostile([RESET]) as backend, pool_for(backend) as (upstream, endpoint):
-        with pytest.raises(UpstreamClosed):
+        with pytest.raises(UpstreamClosed) as caught:
             await call(upstream, endpoint, b"GET")
+        assert caught.value.request_sent
+        assert "closed the connection after the request was sent" in caught.value.detail
         assert backend.methods() == [b"GET"]
 
 
