@@ -6,11 +6,17 @@ costs a find and a slice. It is as strict as h11 on the framing (hex sizes,
 CRLF line ends, bounded size lines and trailers), so a backend that breaks the
 framing is caught, never relayed as if it were data. Chunk extensions and
 trailers are dropped: framing is hop-by-hop, and the proxy frames its own.
+
+ChunkedRelay runs the decoder inside a connection's data_received callback,
+so that a streamed token costs no task wake-up.
 """
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import Callable
+from typing import Protocol
 
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 MAX_LINE = 4096  # a chunk-size line with its extensions
@@ -92,3 +98,72 @@ class ChunkedDecoder:
         self._state = state
         self._buffer = buffer[pos:]
         return out
+
+
+class RelayedStream(Protocol):
+    """What ChunkedRelay needs of the connection it is attached to."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    def pause_reading(self) -> None: ...
+
+
+# Gets the body pieces one network read brought; answers whether its consumer is slow.
+Deliver = Callable[[list[bytes]], bool]
+
+
+class ChunkedRelay:
+    """Decodes a chunked body in a connection's callbacks and delivers it.
+
+    The connection calls data_received and connection_closed; a coroutine
+    waits in wait() until the body is done, the consumer is slow (reading is
+    then paused) or something failed. Errors (ChunkedError for broken framing
+    or a hang-up before the last chunk; whatever deliver raised, ClientGone
+    among them) are kept for that coroutine to raise.
+    """
+
+    __slots__ = ("stream", "deliver", "decoder", "error", "slow", "stray", "_waiter")
+
+    def __init__(self, stream: RelayedStream, deliver: Deliver) -> None:
+        self.stream = stream
+        self.deliver = deliver
+        self.decoder = ChunkedDecoder()
+        self.error: BaseException | None = None
+        self.slow = False
+        self.stray = False  # bytes arrived after the body ended
+        self._waiter: asyncio.Future[None] | None = None
+
+    def data_received(self, data: bytes) -> None:
+        if self.error is not None:
+            return
+        if self.decoder.done:
+            self.stray = True
+            return
+        try:
+            pieces = self.decoder.feed(data)
+            if pieces and self.deliver(pieces):
+                self.slow = True
+                self.stream.pause_reading()
+        except BaseException as exc:  # raised again by the waiting coroutine
+            self.error = exc
+        if self.error is not None or self.slow or self.decoder.done:
+            self._wake()
+
+    def connection_closed(self, exc: BaseException | None) -> None:
+        if self.error is None and not self.decoder.done:
+            detail = f": {exc}" if exc else ""
+            self.error = ChunkedError(f"connection closed mid-body{detail}")
+        self._wake()
+
+    async def wait(self) -> None:
+        self._waiter = self.stream.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)

@@ -7,7 +7,7 @@ is transcoded. Names arrive lowercased from h11.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -91,13 +91,22 @@ def client_response_head(headers: Iterable[tuple[bytes, bytes]],
 
     The content type is decode's (application/json when it sent none), or
     text/event-stream for a request that asked to stream, whatever decode said
-    (as the GCO proxy answered). The length is kept so a body cut short shows.
+    (as the GCO proxy answered). The length is kept so a body cut short shows,
+    unless decode also sent Transfer-Encoding: then the body is framed by that
+    and the length describes nothing (RFC 9112 section 6.3); relaying it would
+    frame the client's body by a number the body does not match.
     """
     headers = list(headers)
     content_length = None
+    framed_by_transfer_encoding = False
     for name, value in headers:
-        if name.lower() == b"content-length":
+        lowered = name.lower()
+        if lowered == b"content-length":
             content_length = int(value)
+        elif lowered == b"transfer-encoding":
+            framed_by_transfer_encoding = True
+    if framed_by_transfer_encoding:
+        content_length = None
     content_type = b"application/json"
     relayed = []
     for name, value in relayed_response_headers(headers):

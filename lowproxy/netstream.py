@@ -1,4 +1,4 @@
-"""An asyncio-native network stream for httpcore.
+"""What lowproxy puts under httpcore's HTTP/1.1 connection: an asyncio-native stream.
 
 httpcore's default asyncio path goes through anyio's socket streams, which cost
 several event-loop round trips per read. This stream is a plain
@@ -6,6 +6,10 @@ several event-loop round trips per read. This stream is a plain
 and reading pauses when the buffer passes a high-water mark, so a consumer that
 stops reading (a slow client downstream) pushes back on the backend through
 TCP instead of growing memory.
+
+http11_connection() builds the httpcore connection over such a stream, with
+the two private parts of httpcore replaced (a lock that never waits, an h11
+state that reports 1xx responses): tests/test_httpcore_fence.py pins both.
 """
 
 from __future__ import annotations
@@ -14,8 +18,10 @@ import asyncio
 import re
 import socket
 import ssl
+from collections.abc import Callable
 from typing import Any
 
+import h11
 import httpcore
 
 from .timeouts import deadline
@@ -30,7 +36,7 @@ WRITE_COALESCE = 64 * 1024
 
 class _StreamProtocol(asyncio.Protocol):
     __slots__ = ("transport", "chunks", "size", "eof", "error", "reader", "writer",
-                 "reading_paused", "writing_paused", "loop", "sink")
+                 "reading_paused", "writing_paused", "loop", "sink", "received")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -46,11 +52,14 @@ class _StreamProtocol(asyncio.Protocol):
         # While a body is relayed straight from this connection (see
         # AsyncioStream.attach), arriving bytes go to the sink, not the buffer.
         self.sink: Any = None
+        # Bytes that ever arrived: whether a failed exchange saw any answer at all.
+        self.received = 0
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        self.received += len(data)
         if self.sink is not None:
             self.sink.data_received(data)
             return
@@ -93,6 +102,21 @@ class _StreamProtocol(asyncio.Protocol):
             reader.set_result(None)
 
 
+class _IdleWatch:
+    """The sink of an idle connection (see AsyncioStream.watch_idle)."""
+
+    __slots__ = ("on_event",)
+
+    def __init__(self, on_event: Callable[[], None]) -> None:
+        self.on_event = on_event
+
+    def data_received(self, data: bytes) -> None:
+        self.on_event()
+
+    def connection_closed(self, exc: BaseException | None) -> None:
+        self.on_event()
+
+
 def _expire(future: asyncio.Future[None]) -> None:
     if not future.done():
         future.set_exception(TimeoutError())
@@ -102,21 +126,27 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
     """httpcore's network stream interface over one asyncio transport."""
 
     __slots__ = ("_protocol", "_transport", "_unsent", "head_only", "_head_tail",
-                 "_injected")
+                 "_injected", "bytes_sent")
 
     def __init__(self, protocol: _StreamProtocol) -> None:
         self._protocol = protocol
-        self._transport = protocol.transport
+        transport = protocol.transport
+        assert transport is not None, "a stream is made once the connection is"
+        self._transport: asyncio.Transport = transport
         # httpcore writes a request's head and body separately; both go out in
         # one segment when the response is first read. On loopback every send
         # also runs the peer's receive path, so a write saved is CPU saved.
         self._unsent: list[bytes] = []
         # While set, a read returns nothing past the blank line that ends a
         # response head, so h11 never holds body bytes and the body can be
-        # read from this stream directly (see UpstreamResponse.body_batches).
+        # read from this stream directly (see UpstreamResponse._relay_chunked).
         self.head_only = False
         self._head_tail = b""
         self._injected = b""
+        # Bytes handed to the transport, over the connection's life. Writes wait
+        # in _unsent until the first read, so this, not httpcore's write calls,
+        # says whether a request can have reached the backend.
+        self.bytes_sent = 0
 
     async def _wait(self, attr: str, timeout: float | None) -> None:
         protocol = self._protocol
@@ -139,6 +169,10 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
     def at_eof(self) -> bool:
         return self._protocol.eof
 
+    @property
+    def bytes_received(self) -> int:
+        return self._protocol.received
+
     def attach(self, sink: Any) -> bytes:
         """Send arriving bytes to ``sink`` (its data_received and connection_closed)
         instead of buffering them; return what was already buffered."""
@@ -154,6 +188,18 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
 
     def detach(self) -> None:
         self._protocol.sink = None
+
+    def watch_idle(self, on_event: Callable[[], None]) -> bool:
+        """Call ``on_event`` once anything comes (bytes, EOF, a reset); until detach().
+
+        For a connection idle between requests, where anything from the peer
+        means the connection is done for. False, with no watch set, when
+        something already came.
+        """
+        if self._protocol.eof or self._protocol.chunks:
+            return False
+        self.attach(_IdleWatch(on_event))
+        return True
 
     def pause_reading(self) -> None:
         protocol = self._protocol
@@ -238,14 +284,22 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
 
     def _send_unsent(self) -> None:
         unsent = self._unsent
-        self._transport.write(unsent[0] if len(unsent) == 1 else b"".join(unsent))
+        data = unsent[0] if len(unsent) == 1 else b"".join(unsent)
         unsent.clear()
+        if self._protocol.eof or self._transport.is_closing():
+            # The backend hung up before these bytes left: they are dropped,
+            # never sent, so the request is known not to have reached it.
+            return
+        self.bytes_sent += len(data)
+        self._transport.write(data)
 
     async def aclose(self) -> None:
         self.close()
 
     def close(self) -> None:
         """Close at once, without waiting (safe in a cancelled task or a finally)."""
+        if isinstance(self._protocol.sink, _IdleWatch):
+            self._protocol.sink = None  # its owner is closing it: no call back
         transport = self._transport
         if not transport.is_closing():
             # abort(): an unfinished response must not be drained, and a decode
@@ -265,6 +319,62 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         if info == "socket":
             return self._transport.get_extra_info("socket")
         return None
+
+
+# Called with (status, headers) for each 1xx response before the final one.
+Informational = Callable[[int, list[tuple[bytes, bytes]]], None]
+
+
+class _Exclusive:
+    """A lock that never waits.
+
+    httpcore guards each connection's state with an anyio lock because its own
+    pool may share a connection between tasks. Ours never does (one exchange
+    per connection at a time, by construction), and anyio's lock costs an
+    event-loop round trip per acquire, twice per request; it also suspends,
+    and closing a response must not (it runs in cancelled tasks' finally).
+    """
+
+    async def __aenter__(self) -> _Exclusive:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        return None
+
+
+_EXCLUSIVE = _Exclusive()
+
+
+class H11Client(h11.Connection):
+    """httpcore's h11 state machine, telling us of the 1xx responses it skips.
+
+    httpcore reads past informational responses (103 Early Hints) without a
+    word; a proxy must forward them (RFC 9110 section 15.2). h11 has parsed
+    and validated each one by the time next_event returns it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(our_role=h11.CLIENT, max_incomplete_event_size=httpcore
+                         .AsyncHTTP11Connection.MAX_INCOMPLETE_EVENT_SIZE)
+        self.on_informational: Informational | None = None
+
+    def next_event(self) -> Any:
+        event = super().next_event()
+        if (type(event) is h11.InformationalResponse and event.status_code != 101
+                and self.on_informational is not None):
+            self.on_informational(event.status_code, event.headers.raw_items())
+        return event
+
+
+def http11_connection(origin: httpcore.Origin, stream: AsyncioStream,
+                      keepalive_expiry: float | None
+                      ) -> tuple[httpcore.AsyncHTTP11Connection, H11Client]:
+    """httpcore's HTTP/1.1 connection over ``stream``, and the h11 state it parses with."""
+    http = httpcore.AsyncHTTP11Connection(origin, stream, keepalive_expiry=keepalive_expiry)
+    # Private httpcore attributes, pinned by tests/test_httpcore_fence.py.
+    http._state_lock = _EXCLUSIVE  # type: ignore[assignment]
+    state = http._h11_state = H11Client()
+    return http, state
 
 
 class AsyncioBackend(httpcore.AsyncNetworkBackend):

@@ -16,58 +16,52 @@ reuse, retirement and balancing, which httpcore's pool cannot express.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+import socket
 import time
-from typing import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Protocol, cast
 
 import httpcore
 
+from .chunked import ChunkedError, ChunkedRelay, Deliver
 from .config import Config, EndpointSpec
-from .chunked import ChunkedDecoder, ChunkedError
-from .netstream import AsyncioBackend, AsyncioStream
+from .netstream import AsyncioBackend, AsyncioStream, H11Client, Informational, http11_connection
 from .tls import TrustStore, TrustUnavailable
+from .upstream_errors import (
+    UpstreamClosed,
+    UpstreamError,
+    UpstreamNotRetried,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    UpstreamUnreachable,
+    UpstreamUntrusted,
+)
+
+__all__ = ["Endpoint", "Upstream", "UpstreamResponse", "UpstreamError", "UpstreamClosed",
+           "UpstreamNotRetried", "UpstreamProtocolError", "UpstreamTimeout",
+           "UpstreamUnreachable", "UpstreamUntrusted", "Informational", "system_resolver"]
 
 log = logging.getLogger("lowproxy.upstream")
 
-READ_SIZE = 64 * 1024
 # Idle connections kept per endpoint; more than this are closed on release.
 MAX_IDLE_PER_ENDPOINT = 256
+# Requests a proxy may send again after a reused connection failed under them:
+# the methods Go's transport replays (RFC 9110 section 9.2.2), and any request
+# carrying an idempotency key (draft-ietf-httpapi-idempotency-key-header).
+REPLAYABLE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
+IDEMPOTENCY_HEADERS = frozenset({b"idempotency-key", b"x-idempotency-key"})
 
-
-class UpstreamError(Exception):
-    """An upstream exchange that failed.
-
-    ``reason`` is stable, for metrics and for choosing the client's answer:
-    ``unreachable`` (refused, no route, TLS verification failed; nothing was
-    sent), ``untrusted`` (the CA file is unusable: nothing may be sent to any
-    https backend), ``timeout``, ``protocol`` (the backend broke HTTP or hung up).
-    """
-
-    def __init__(self, reason: str, detail: str, endpoint: "Endpoint | None" = None) -> None:
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-        self.endpoint = endpoint
-
-
-class _Exclusive:
-    """A lock that never waits.
-
-    httpcore guards each connection's state with an anyio lock because its own
-    pool may share a connection between tasks. Ours never does (one exchange
-    per connection at a time, by construction), and anyio's lock costs an
-    event-loop round trip per acquire, twice per request.
-    """
-
-    async def __aenter__(self) -> "_Exclusive":
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
-_EXCLUSIVE = _Exclusive()
 _SENT: tuple[bytes, ...] = ()  # an empty body, for requests already sent
+
+
+class _BodyStream(Protocol):
+    """What httpcore's HTTP11ConnectionByteStream offers (response.stream)."""
+
+    def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class Endpoint:
@@ -107,12 +101,13 @@ class Endpoint:
 class _Pooled:
     """One upstream connection and what decides its retirement."""
 
-    __slots__ = ("http", "stream", "created", "generation", "requests")
+    __slots__ = ("http", "stream", "h11", "created", "generation", "requests")
 
     def __init__(self, http: httpcore.AsyncHTTP11Connection, stream: AsyncioStream,
-                 generation: int) -> None:
+                 h11_state: H11Client, generation: int) -> None:
         self.http = http
         self.stream: AsyncioStream | None = stream
+        self.h11 = h11_state
         self.created = time.monotonic()
         self.generation = generation
         self.requests = 0
@@ -123,27 +118,33 @@ class UpstreamResponse:
 
     Always end it with ``aclose()``: idempotent, and it never suspends, so it
     completes even in the ``finally`` of a cancelled task. The connection
-    returns to the pool only if the body was read to its end.
+    returns to the pool only if the body was read to its end, and nothing
+    came after it.
     """
 
-    __slots__ = ("status", "headers", "endpoint", "_pooled", "_response", "_upstream",
+    __slots__ = ("status", "headers", "endpoint", "_pooled", "_body", "_upstream",
                  "_complete", "_closed", "_chunked")
 
-    def __init__(self, upstream: "Upstream", endpoint: Endpoint, pooled: _Pooled,
+    def __init__(self, upstream: Upstream, endpoint: Endpoint, pooled: _Pooled,
                  response: httpcore.Response, method: bytes) -> None:
         self.status = response.status
-        self.headers: list[tuple[bytes, bytes]] = response.headers
+        headers: list[tuple[bytes, bytes]] = response.headers
         self.endpoint = endpoint
         self._upstream = upstream
         self._pooled = pooled
-        self._response = response
+        self._body = cast(_BodyStream, response.stream)
         self._complete = False
         self._closed = False
+        framed_by_te = any(name.lower() == b"transfer-encoding" for name, _ in headers)
+        if framed_by_te:
+            # Transfer-Encoding beats Content-Length (RFC 9112 section 6.3, as h11
+            # frames it): a length sent beside it describes nothing and must not
+            # reach anyone who might frame the relayed body by it.
+            headers = [(n, v) for n, v in headers if n.lower() != b"content-length"]
+        self.headers = headers
         # A chunked body (a stream) is decoded here, not by h11: see _relay_chunked.
-        self._chunked = (method != b"HEAD" and self.status >= 200
-                         and self.status not in (204, 304)
-                         and any(name.lower() == b"transfer-encoding"
-                                 for name, _ in response.headers))
+        self._chunked = (framed_by_te and method != b"HEAD" and self.status >= 200
+                         and self.status not in (204, 304))
 
     async def deliver_body(self, deliver: Deliver,
                            wait_for_consumer: Callable[[], Awaitable[None]]) -> None:
@@ -154,19 +155,19 @@ class UpstreamResponse:
         ``wait_for_consumer()`` returns (back-pressure). Raises UpstreamError when
         the backend breaks off, or whatever ``deliver`` raised.
         """
+        label = self.endpoint.label
         try:
             if self._chunked and self._pooled.stream is not None:
                 await self._relay_chunked(self._pooled.stream, deliver, wait_for_consumer)
                 return
-            async for chunk in self._response.stream:  # type: ignore[union-attr]
+            async for chunk in self._body:
                 if deliver([chunk]):
                     await wait_for_consumer()
         except httpcore.TimeoutException as exc:
-            raise UpstreamError("timeout", f"reading from {self.endpoint.label}: {exc}",
-                                self.endpoint) from None
-        except (httpcore.NetworkError, httpcore.ProtocolError) as exc:
-            raise UpstreamError("protocol", f"{self.endpoint.label} broke off its response: "
-                                f"{exc or type(exc).__name__}", self.endpoint) from None
+            raise UpstreamTimeout(f"reading from {label}: {exc}", self.endpoint) from None
+        except (httpcore.NetworkError, httpcore.ProtocolError, ChunkedError) as exc:
+            raise UpstreamProtocolError(f"{label} broke off its response: "
+                                        f"{exc or type(exc).__name__}", self.endpoint) from None
         self._complete = True
 
     async def _relay_chunked(self, stream: AsyncioStream, deliver: Deliver,
@@ -180,7 +181,7 @@ class UpstreamResponse:
         the exchange as if it had read the body itself, so the connection pools
         as usual.
         """
-        relay = _ChunkedRelay(stream, deliver)
+        relay = ChunkedRelay(stream, deliver)
         pending = stream.attach(relay)
         try:
             if pending:
@@ -201,7 +202,7 @@ class UpstreamResponse:
         if relay.decoder.leftover or relay.stray:
             return  # bytes after the body: delivered whole, but the connection retires
         stream.inject(b"0\r\n\r\n")
-        async for _ in self._response.stream:  # type: ignore[union-attr]
+        async for _ in self._body:
             raise httpcore.RemoteProtocolError("h11 saw body data after the head")
         self._complete = True
 
@@ -215,8 +216,8 @@ class UpstreamResponse:
             parts.extend(pieces)
             size += sum(len(piece) for piece in pieces)
             if size > limit:
-                raise UpstreamError("protocol", f"{self.endpoint.label} answered more than "
-                                    f"{limit} bytes", self.endpoint)
+                raise UpstreamProtocolError(f"{self.endpoint.label} answered more than "
+                                            f"{limit} bytes", self.endpoint)
             return False
 
         await self.deliver_body(collect, _never_waits)
@@ -229,7 +230,7 @@ class UpstreamResponse:
             self.abandon()
             return
         self._closed = True
-        await self._upstream._finish(self.endpoint, self._pooled, self._response)
+        await self._upstream._finish(self.endpoint, self._pooled, self._body)
 
     def abandon(self) -> None:
         """Close the connection now, unread: for responses that will not be relayed."""
@@ -240,66 +241,8 @@ class UpstreamResponse:
         self._upstream._discard(self.endpoint, self._pooled)
 
 
-Deliver = Callable[[list[bytes]], bool]
-
-
 async def _never_waits() -> None:  # pragma: no cover - collect() is never slow
     return None
-
-
-class _ChunkedRelay:
-    """Decodes a chunked body in the upstream connection's callbacks and delivers it.
-
-    Errors (broken framing, a hang-up before the last chunk, whatever deliver
-    raised, ClientGone among them) are kept for the waiting coroutine to raise.
-    """
-
-    __slots__ = ("stream", "deliver", "decoder", "error", "slow", "stray", "_waiter")
-
-    def __init__(self, stream: AsyncioStream, deliver: Deliver) -> None:
-        self.stream = stream
-        self.deliver = deliver
-        self.decoder = ChunkedDecoder()
-        self.error: BaseException | None = None
-        self.slow = False
-        self.stray = False  # bytes arrived after the body ended
-        self._waiter: asyncio.Future[None] | None = None
-
-    def data_received(self, data: bytes) -> None:
-        if self.error is not None:
-            return
-        if self.decoder.done:
-            self.stray = True
-            return
-        try:
-            pieces = self.decoder.feed(data)
-            if pieces and self.deliver(pieces):
-                self.slow = True
-                self.stream.pause_reading()
-        except ChunkedError as exc:
-            self.error = httpcore.RemoteProtocolError(str(exc))
-        except BaseException as exc:  # raised again by the waiting coroutine
-            self.error = exc
-        if self.error is not None or self.slow or self.decoder.done:
-            self._wake()
-
-    def connection_closed(self, exc: BaseException | None) -> None:
-        if self.error is None and not self.decoder.done:
-            detail = f": {exc}" if exc else ""
-            self.error = httpcore.RemoteProtocolError(f"connection closed mid-body{detail}")
-        self._wake()
-
-    async def wait(self) -> None:
-        self._waiter = self.stream.loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
@@ -316,14 +259,20 @@ class Upstream:
     # -- one exchange
 
     async def request(self, endpoint: Endpoint, method: bytes, target: bytes,
-                      headers: list[tuple[bytes, bytes]], body: bytes | None,
-                      *, extra_headers: Iterable[tuple[bytes, bytes]] = ()) -> UpstreamResponse:
-        """Send one request and return once the response's head has arrived.
+                      headers: list[tuple[bytes, bytes]], body: bytes | None, *,
+                      extra_headers: Iterable[tuple[bytes, bytes]] = (),
+                      on_informational: Informational | None = None) -> UpstreamResponse:
+        """Send one request and return once the final response's head has arrived.
 
-        ``headers`` are the end-to-end ones; host and framing are added here. A
-        pooled connection that turns out to have been closed by the backend
-        before it answered (its keep-alive ran out as we wrote) is replaced by a
-        fresh one once: the backend never saw that request.
+        ``headers`` are the end-to-end ones; host and framing are added here.
+        ``on_informational(status, headers)`` is called for each 1xx but 101
+        before the final head (synchronously; what it raises ends the exchange).
+
+        A reused connection that the backend closed under the request (its
+        keep-alive ran out as we wrote) is replaced by a fresh one, once, only
+        when none of the request was handed to it or the request is replayable
+        (REPLAYABLE_METHODS, an idempotency key): otherwise the backend may have
+        acted on it, and UpstreamNotRetried says so.
         """
         wire_headers = [(b"host", endpoint.host_header)]
         wire_headers.extend(headers)
@@ -332,42 +281,60 @@ class Upstream:
             wire_headers.append((b"content-length", str(len(body)).encode()))
         url = httpcore.URL(scheme=endpoint.origin.scheme, host=endpoint.origin.host,
                            port=endpoint.port, target=endpoint.base_path + target)
+        request = httpcore.Request(method, url, headers=wire_headers,
+                                   content=body if body is not None else b"")
         endpoint.in_flight += 1
         try:
-            for attempt in (0, 1):
-                pooled = None if attempt else self._checkout(endpoint)
-                reused = pooled is not None
-                if pooled is None:
-                    pooled = await self._connect(endpoint)
-                request = httpcore.Request(method, url, headers=wire_headers,
-                                           content=body if body is not None else b"")
-                pooled.requests += 1
-                stream = pooled.stream
-                stream.head_only = True
+            pooled = self._checkout(endpoint)
+            if pooled is not None:
                 try:
-                    response = await pooled.http.handle_async_request(request)
-                except (httpcore.RemoteProtocolError, httpcore.ReadError,
-                        httpcore.WriteError) as exc:
-                    self._discard(endpoint, pooled)
-                    if reused:
-                        continue
-                    raise UpstreamError("protocol", f"{endpoint.label}: "
-                                        f"{exc or type(exc).__name__}", endpoint) from None
-                except httpcore.TimeoutException as exc:
-                    self._discard(endpoint, pooled)
-                    raise UpstreamError("timeout", f"{endpoint.label}: {exc}", endpoint) from None
-                except BaseException:
-                    self._discard(endpoint, pooled)
-                    raise
-                stream.head_only = False
-                # The body is on the wire; httpcore keeps the request for the
-                # response's lifetime, and a stream must not keep the prompt.
-                request.stream = _SENT
-                return UpstreamResponse(self, endpoint, pooled, response, method)
-            raise AssertionError("unreachable")  # pragma: no cover
+                    return await self._send(endpoint, pooled, request, on_informational)
+                except UpstreamClosed as exc:
+                    if exc.request_sent and not _replayable(method, wire_headers):
+                        raise UpstreamNotRetried(
+                            f"{endpoint.label} closed the connection after the request was "
+                            f"sent, before answering; not retried: "
+                            f"{method.decode('ascii', 'replace')} is not idempotent and has no "
+                            "idempotency-key", endpoint) from None
+                    log.debug("retrying on a new connection: %s", exc.detail)
+            pooled = await self._connect(endpoint)
+            return await self._send(endpoint, pooled, request, on_informational)
         except BaseException:
             endpoint.in_flight -= 1
             raise
+
+    async def _send(self, endpoint: Endpoint, pooled: _Pooled, request: httpcore.Request,
+                    on_informational: Informational | None) -> UpstreamResponse:
+        """One request on one connection, up to the final head; closes it on failure."""
+        stream = pooled.stream
+        assert stream is not None, "a connection in use is open"
+        sent, received = stream.bytes_sent, stream.bytes_received
+        pooled.requests += 1
+        pooled.h11.on_informational = on_informational
+        stream.head_only = True
+        try:
+            response = await pooled.http.handle_async_request(request)
+        except BaseException as exc:
+            self._discard(endpoint, pooled)
+            if isinstance(exc, httpcore.TimeoutException):
+                raise UpstreamTimeout(f"{endpoint.label}: {exc}", endpoint) from None
+            if not isinstance(exc, (httpcore.RemoteProtocolError, httpcore.NetworkError)):
+                raise
+            cause = exc or type(exc).__name__
+            if stream.bytes_received == received:
+                was_sent = stream.bytes_sent != sent
+                raise UpstreamClosed(
+                    f"{endpoint.label} closed the connection "
+                    f"{'after the request was sent' if was_sent else 'before the request'}"
+                    f", before answering: {cause}", endpoint, request_sent=was_sent) from None
+            raise UpstreamProtocolError(f"{endpoint.label}: {cause}", endpoint) from None
+        finally:
+            pooled.h11.on_informational = None
+            stream.head_only = False
+        # The body is on the wire; httpcore keeps the request for the
+        # response's lifetime, and a stream must not keep the prompt.
+        request.stream = _SENT
+        return UpstreamResponse(self, endpoint, pooled, response, request.method)
 
     # -- the pool
 
@@ -382,9 +349,10 @@ class Upstream:
             http = pooled.http
             if (http.has_expired() or not http.is_available()
                     or now - pooled.created >= config.upstream_max_age
-                    or pooled.generation != generation):
+                    or pooled.generation != generation or pooled.stream is None):
                 self._discard(endpoint, pooled)
                 continue
+            pooled.stream.detach()  # the idle watch ends: the exchange reads now
             return pooled
         return None
 
@@ -395,39 +363,43 @@ class Upstream:
             try:
                 ssl_context = self.trust.context()
             except TrustUnavailable as exc:
-                raise UpstreamError("untrusted", str(exc), endpoint) from None
+                raise UpstreamUntrusted(str(exc), endpoint) from None
             generation = self.trust.generation
         try:
             stream = await self.backend.connect_tcp(
                 endpoint.connect_host, endpoint.port, timeout=self.config.connect_timeout,
                 ssl_context=ssl_context, server_hostname=endpoint.server_hostname)
-        except httpcore.ConnectTimeout as exc:
-            raise UpstreamError("unreachable", str(exc), endpoint) from None
-        except httpcore.ConnectError as exc:
-            raise UpstreamError("unreachable", str(exc), endpoint) from None
-        http = httpcore.AsyncHTTP11Connection(endpoint.origin, stream,
-                                              keepalive_expiry=self.config.upstream_idle)
-        if hasattr(http, "_state_lock"):
-            http._state_lock = _EXCLUSIVE  # see _Exclusive
+        except (httpcore.ConnectTimeout, httpcore.ConnectError) as exc:
+            raise UpstreamUnreachable(str(exc), endpoint) from None
+        http, h11_state = http11_connection(endpoint.origin, stream, self.config.upstream_idle)
         endpoint.open += 1
-        return _Pooled(http, stream, generation)
+        return _Pooled(http, stream, h11_state, generation)
 
-    async def _finish(self, endpoint: Endpoint, pooled: _Pooled,
-                      response: httpcore.Response) -> None:
+    async def _finish(self, endpoint: Endpoint, pooled: _Pooled, body: _BodyStream) -> None:
         """A response read to its end: pool its connection, or retire it."""
         endpoint.in_flight -= 1
         http = pooled.http
         # httpcore marks the connection idle (both h11 sides DONE). This does
         # not suspend: our lock never waits.
-        await response.stream.aclose()  # type: ignore[union-attr]
+        await body.aclose()
         config = self.config
-        if (config.upstream_keepalive and http.is_idle()
+        stream = pooled.stream
+        if (stream is not None and config.upstream_keepalive and http.is_idle()
                 and pooled.requests < config.upstream_max_requests
                 and time.monotonic() - pooled.created < config.upstream_max_age
-                and len(endpoint.idle) < MAX_IDLE_PER_ENDPOINT):
-            endpoint.idle.append(pooled)
-        else:
-            self._discard(endpoint, pooled)
+                and len(endpoint.idle) < MAX_IDLE_PER_ENDPOINT
+                # h11 holds nothing past the response (a length-framed body
+                # read with more behind it in the same segment) ...
+                and pooled.h11.trailing_data == (b"", False)):
+            # ... and nothing came after it. From now on, anything that comes
+            # (stray bytes it owes nobody, its keep-alive FIN, a reset) drops
+            # the connection as it arrives: stray bytes are never read as the
+            # next answer (RFC 9112 section 9.3), and a close seen now is not a
+            # request lost later.
+            if stream.watch_idle(functools.partial(self._drop_idle, endpoint, pooled)):
+                endpoint.idle.append(pooled)
+                return
+        self._discard(endpoint, pooled)
 
     def _discard(self, endpoint: Endpoint, pooled: _Pooled) -> None:
         if pooled.stream is None:
@@ -436,8 +408,18 @@ class Upstream:
         pooled.stream = None
         endpoint.open -= 1
 
+    def _drop_idle(self, endpoint: Endpoint, pooled: _Pooled) -> None:
+        """A pooled connection heard from while idle (see _finish)."""
+        try:
+            endpoint.idle.remove(pooled)
+        except ValueError:
+            pass  # already checked out, swept or closed
+        else:
+            self._discard(endpoint, pooled)
+
     def sweep(self, endpoints: Iterable[Endpoint]) -> None:
-        """Close idle connections past their idle time, age, or closed by the peer."""
+        """Close idle connections past their idle time or age (closes by the peer
+        are dropped as they arrive, by the idle watch)."""
         now = time.monotonic()
         config = self.config
         for endpoint in endpoints:
@@ -456,10 +438,14 @@ class Upstream:
         endpoint.idle.clear()
 
 
+def _replayable(method: bytes, headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a request may be sent again after a reused connection failed under it."""
+    return method in REPLAYABLE_METHODS or any(
+        name.lower() in IDEMPOTENCY_HEADERS for name, _ in headers)
+
+
 async def system_resolver(host: str, port: int) -> list[str]:
     """All addresses of a name, as a headless Kubernetes Service publishes its pods."""
-    import socket
-
     loop = asyncio.get_running_loop()
     infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     seen: dict[str, None] = {}

@@ -241,3 +241,13 @@ def test_client_response_head_content_type_and_length():
     assert headers[-1] == (b"content-type", b"text/event-stream")
     headers, length = client_response_head([(b"transfer-encoding", b"chunked")], False)
     assert length is None and headers == [(b"content-type", b"application/json")]
+
+
+def test_client_response_head_ignores_a_length_beside_transfer_encoding():
+    # RFC 9112 6.3: Transfer-Encoding overrides Content-Length; a relayed length
+    # would frame the de-chunked body by a number it does not match.
+    for upstream in ([(b"Content-Length", b"5"), (b"Transfer-Encoding", b"chunked")],
+                     [(b"transfer-encoding", b"chunked"), (b"content-length", b"99")]):
+        headers, length = client_response_head(upstream, streamed=False)
+        assert length is None
+        assert headers == [(b"content-type", b"application/json")]
