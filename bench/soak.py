@@ -60,6 +60,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -125,7 +126,9 @@ def summarise(args: argparse.Namespace, soak: Soak, elapsed: float, twice: dict[
         "failed_as_expected": outcomes["failed as expected"],
         "vanished": outcomes["vanished"], "lost": outcomes["lost"],
         "unexpected": outcomes["unexpected"], "answered_wrong": outcomes["answered wrong"],
-        "generated_twice": len(twice),
+        "generated_twice": len(twice), "bad_by_fault": soak.bad_by_fault(),
+        "generated_twice_by_fault": dict(Counter(key.split("(")[1].rstrip(")")
+                                                 for key in twice)),
         "faults_injected": sum(soak.faults.values()), "faults": dict(soak.faults),
         "proxy_alive": alive, "proxy_before": before, "proxy_after": after,
         "fds_leaked": (after.get("fds", 0) - before["fds"]) if alive else None,

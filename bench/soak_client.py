@@ -165,6 +165,7 @@ class Soak:
         self.outcomes: Counter[str] = Counter()
         self.faults: Counter[str] = Counter()
         self.details: list[str] = []
+        self.bad: Counter[tuple[str, str]] = Counter()  # (fault, outcome) not as expected
         self.stop_at = 0.0
         self._ids = itertools.count()
 
@@ -172,6 +173,14 @@ class Soak:
         if self.faults_wanted and random.random() < self.args.fault_rate:
             return random.choice(self.faults_wanted)
         return None
+
+    def bad_by_fault(self) -> dict[str, dict[str, int]]:
+        """Outcomes that were not the expected ones, by the fault the request asked for
+        (a stray answer lands on a later request, so mostly on "none")."""
+        table: dict[str, dict[str, int]] = {}
+        for (fault, outcome), count in sorted(self.bad.items()):
+            table.setdefault(fault, {})[outcome] = count
+        return table
 
     def note(self, line: str) -> None:
         if len(self.details) < DETAILS_KEPT:
@@ -216,17 +225,20 @@ class Soak:
         expected = EXPECTED[fault] or set()
         if wrong:
             self.outcomes["answered wrong"] += 1
+            self.bad[(fault or "none", "answered wrong")] += 1
             self.note(f"WRONG {fault or 'none'} {soak_id}: {wrong}: {reply.status} "
                       f"{reply.body[:80]!r}")
         elif (reply.status, reply.complete) in expected:
             self.outcomes["served" if reply.status == 200 else "failed as expected"] += 1
         else:
             self.outcomes["unexpected"] += 1
+            self.bad[(fault or "none", "unexpected")] += 1
             self.note(f"{fault or 'none'}: {reply.status} complete={reply.complete} "
                       f"{reply.body[:120]!r}")
 
     def lost(self, fault: str | None, why: str) -> None:
         self.outcomes["lost"] += 1
+        self.bad[(fault or "none", "lost")] += 1
         self.note(f"LOST {fault or 'none'}: {why}")
 
     async def client_fault(self, fault: str, soak_id: str) -> None:

@@ -143,3 +143,6 @@ def test_judging_tells_a_wrong_answer_from_the_right_one() -> None:
     soak.judge("decode_hangs_up", Reply(502, b"{}", True, []), "e6", False)
     soak.judge("decode_hangs_up", Reply(200, body, True, [(b"x-soak-id", b"e7")]), "e7", False)
     assert soak.outcomes["failed as expected"] == 1 and soak.outcomes["unexpected"] == 1
+    assert soak.bad_by_fault() == {"none": {"answered wrong": 5},
+                                   "decode_cl_chunked": {"answered wrong": 1},
+                                   "decode_hangs_up": {"unexpected": 1}}
