@@ -10,11 +10,13 @@ from __future__ import annotations
 import asyncio
 import glob
 import os
+import re
 import shutil
 import ssl
 import subprocess
 import sys
 import zipfile
+from importlib import metadata
 from pathlib import Path
 
 import pytest
@@ -22,10 +24,15 @@ import pytest
 from helpers import ROOT, Daemon, chat, request
 from lowproxy import __version__
 from lowproxy.demo import start_pair
-from lowproxy.pack import (
-    DEFAULT_OUTPUT, ROOT_REQUIREMENTS, SUPPORTED, PackError, marker_applies,
-    needed_distributions, normalize, parse_requirement, target_environment,
+from lowproxy.pack import DEFAULT_OUTPUT, size_kib
+from lowproxy.pack_markers import (
+    PackError,
+    marker_applies,
+    normalize,
+    parse_requirement,
+    target_environment,
 )
+from lowproxy.pack_sources import ROOT_REQUIREMENTS, SUPPORTED, needed_distributions
 
 ONE_MIB = 1024 * 1024
 
@@ -134,7 +141,9 @@ def test_contents_fixed_metadata_and_no_bytecode(pyz: Path) -> None:
     assert {info.compress_type for info in infos} == {zipfile.ZIP_DEFLATED}
     assert "__main__.py" in names and "lowproxy/daemon.py" in names
     assert "lowproxy/handshakes/mooncake.py" in names
-    assert "lowproxy/pack.py" not in names  # the build tool stays out of the build
+    # The build tool (pack.py and its pack_* helpers) stays out of the build.
+    assert not [n for n in names if n.startswith("lowproxy/pack")]
+    assert "lowproxy/pack_sources.py" not in names
     assert not [n for n in names if n.endswith((".pyc", ".pyo")) or "__pycache__" in n]
     assert not [n for n in names if "/tests/" in n or n.startswith("tests/")]
     for package in ("h11/", "httpcore/", "anyio/", "idna/", "certifi/", "exceptiongroup/"):
@@ -177,11 +186,72 @@ def test_bad_source_date_epoch_is_refused(tmp_path: Path) -> None:
 # -- which dependencies
 
 
-def test_root_requirements_mirror_pyproject() -> None:
+def declared_dependencies() -> list[str]:
     tomllib = pytest.importorskip("tomllib", reason="tomllib is in the stdlib from 3.11")
     with open(Path(ROOT) / "pyproject.toml", "rb") as handle:
-        declared = tomllib.load(handle)["project"]["dependencies"]
-    assert sorted(ROOT_REQUIREMENTS) == sorted(declared)
+        return list(tomllib.load(handle)["project"]["dependencies"])
+
+
+def test_root_requirements_are_declared_in_pyproject() -> None:
+    assert set(ROOT_REQUIREMENTS) <= set(declared_dependencies())
+
+
+def installed_by_plain_install(requirements: list[str]) -> set[str]:
+    """What ``pip install .`` brings for the running Python: pyproject's dependencies
+    followed through installed metadata, markers evaluated for this interpreter only
+    (pip does not install what a marker limits to other Python versions)."""
+    here = target_environment(sys.version_info[:2])
+    wanted = [parse_requirement(text) for text in requirements]
+    found: set[str] = set()
+    while wanted:
+        requirement = wanted.pop()
+        if requirement.name in found:
+            continue
+        found.add(requirement.name)
+        for text in metadata.distribution(requirement.name).requires or ():
+            child = parse_requirement(text)
+            if marker_applies(child.marker, here, requirement.extras):
+                wanted.append(child)
+    return found
+
+
+def test_plain_install_brings_everything_the_build_bundles() -> None:
+    """``python -m lowproxy.pack`` right after ``pip install .`` on any supported Python:
+    whatever the archive bundles for some 3.10-3.13 target must be a dependency pip
+    installs here too. exceptiongroup is the case in point: anyio needs it on 3.10
+    only, so a 3.11+ interpreter gets it only if lowproxy declares it unconditionally."""
+    missing = set(needed_distributions()) - installed_by_plain_install(declared_dependencies())
+    assert not missing, (f"pip install . on {sys.version.split()[0]} would not install "
+                         f"{sorted(missing)}, which the build bundles: declare them in "
+                         "pyproject.toml [project] dependencies")
+
+
+def readme_size_kib() -> int:
+    text = (Path(ROOT) / "README.md").read_text()
+    found = re.findall(r"zipapp \(about (\d+) KiB", text)
+    assert len(found) == 1, "the README states the archive size once, as 'zipapp (about N KiB'"
+    return int(found[0])
+
+
+# How far the README's figure may drift before the test asks for a new one: every
+# change to lowproxy moves the size a little; a growth past this is news to tell.
+README_SIZE_TOLERANCE = 0.04
+
+
+def test_readme_states_the_size_the_build_makes(pyz: Path) -> None:
+    stated, built = readme_size_kib(), size_kib(pyz.stat().st_size)
+    assert abs(stated - built) <= README_SIZE_TOLERANCE * built, (
+        f"README.md says the archive is about {stated} KiB, the build makes {built} KiB: "
+        f"update the figure from `python -m lowproxy.pack --print-size`")
+    assert built * 1024 < ONE_MIB  # and the README's "under a ConfigMap's 1 MiB" holds
+
+
+def test_print_size_is_the_figure_the_readme_uses(tmp_path: Path) -> None:
+    output = tmp_path / "sized.pyz"
+    done = pack(output, None, "--print-size")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == f"{size_kib(output.stat().st_size)}\n"
+    assert size_kib(1535) == 1 and size_kib(1536) == 2 and size_kib(555337) == 542
 
 
 def test_dependencies_cover_every_supported_python() -> None:

@@ -1,26 +1,148 @@
-"""bench/soak.py runs, injects faults, loses nothing and leaks no descriptor (5 s)."""
+"""bench/soak.py: a 5 s run with every fault kind, and the plumbing of the kinds that
+break HTTP framing (the decode gate and the judging), each over real sockets."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+
 from helpers import ROOT
+
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from soak_backends import STRAY, FaultGate, FaultyBackend  # noqa: E402
+from soak_client import FAULTS, WIRE_FAULTS, Reply, Soak, chat_body  # noqa: E402
 
 
 def test_soak_for_five_seconds(tmp_path):
+    """Issue 10's "Done when" in small: every kind played, nothing lost, answered
+    wrong or generated twice, descriptors and tasks back at the baseline."""
     result = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "soak.py"), "--duration", "5",
          "--concurrency", "8", "--report-every", "5", "--loop", "asyncio",
-         "--proxy-log", str(tmp_path / "proxy.log")],
+         "--fault-rate", "0.5", "--proxy-log", str(tmp_path / "proxy.log")],
         capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
-    assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(result.stdout.strip().splitlines()[-1])["soak"]
+    assert set(summary["faults"]) == set(FAULTS), summary["faults"]  # every kind played
+    assert summary["served"] > 0 and summary["failed_as_expected"] > 0
+    assert result.returncode == 0, result.stdout + result.stderr
     assert summary["ok"] and summary["proxy_alive"]
-    assert summary["served"] > 0 and summary["faults_injected"] > 0
-    assert summary["failed_as_expected"] > 0  # the faults reached the clients as errors
     assert summary["lost"] == 0 and summary["unexpected"] == 0
-    assert summary["fds_leaked"] <= 0
+    assert summary["answered_wrong"] == 0 and summary["generated_twice"] == 0
+    assert summary["fds_leaked"] <= 0 and summary["tasks_leaked"] <= 0
     assert summary["proxy_after"]["lowproxy_requests_in_flight"] == 0
+
+
+@pytest.fixture
+async def gate():
+    decode = FaultyBackend("decode", record=False)
+    await decode.start("127.0.0.1", 0, bootstrap_port=None)
+    front = await FaultGate(decode.port).start()
+    yield front
+    await front.close()
+    await decode.close()
+
+
+def post(fault: str, soak_id: str, stream: bool = False) -> bytes:
+    body = chat_body(fault, stream, 4, soak_id)
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: gate\r\n"
+            b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)) + body
+
+
+async def read_until(reader: asyncio.StreamReader, seen: bytes, wanted: bytes) -> bytes:
+    while wanted not in seen:
+        chunk = await asyncio.wait_for(reader.read(65536), 5)
+        assert chunk, f"closed before {wanted!r}; got {seen!r}"
+        seen += chunk
+    return seen
+
+
+def split_response(data: bytes) -> tuple[bytes, bytes, bytes]:
+    """(head, body, rest) of one content-length framed response at the start of data."""
+    head, _, after = data.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length:"))
+    return head, after[:length], after[length:]
+
+
+async def test_gate_writes_a_stray_response_in_the_same_write(gate: FaultGate) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(post("decode_stray_same", "a1"))
+    data = await read_until(reader, b"", STRAY)
+    head, body, rest = split_response(data)
+    assert head.startswith(b"HTTP/1.1 200 ") and b"\r\nx-soak-id: a1" in head
+    assert json.loads(body)["choices"]
+    assert rest == STRAY  # a whole second response, right after the real one
+    # The connection stays open, as a pooled one would: the next request is served.
+    writer.write(post("", "a2"))
+    data = await read_until(reader, b"", b"x-soak-id: a2")
+    writer.close()
+    assert gate.received == {"a1": 1, "a2": 1}
+
+
+async def test_gate_writes_a_stray_response_later_on_the_idle_connection(
+        gate: FaultGate) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(post("decode_stray_later", "b1", stream=True))
+    data = await read_until(reader, b"", b"0\r\n\r\n")  # the end of the chunked answer
+    assert b"x-soak-id: b1" in data and b"data: [DONE]" in data
+    later = await read_until(reader, data.split(b"0\r\n\r\n", 1)[1], STRAY)
+    writer.close()
+    assert later == STRAY
+
+
+async def test_gate_hangs_up_after_reading_a_post_and_serves_a_repeat(
+        gate: FaultGate) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(post("decode_hangs_up", "c1"))
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # not one response byte
+    writer.close()
+    assert gate.received["c1"] == 1
+    # A proxy that sends that POST again reaches a decode that generates again:
+    # the soak counts it (generated twice).
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(post("decode_hangs_up", "c1"))
+    data = await read_until(reader, b"", b"\r\n\r\n")
+    writer.close()
+    assert data.startswith(b"HTTP/1.1 200 ")
+    assert gate.received["c1"] == 2
+
+
+async def test_gate_sends_content_length_beside_chunked(gate: FaultGate) -> None:
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(post("decode_cl_chunked", "d1"))
+    data = await read_until(reader, b"", b"\r\n0\r\n\r\n")
+    writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    lines = head.lower().split(b"\r\n")
+    assert b"transfer-encoding: chunked" in lines and b"content-length: 10" in lines
+    size, _, rest = body.partition(b"\r\n")
+    assert int(size, 16) > 10  # the stated length would cut the body
+    assert json.loads(rest[:int(size, 16)])["choices"]
+
+
+def test_judging_tells_a_wrong_answer_from_the_right_one() -> None:
+    soak = Soak(type("Args", (), {"faults": list(WIRE_FAULTS), "fault_rate": 1.0})(), 0)
+    body = json.dumps({"choices": [{"index": 0}]}).encode()
+    mine = [(b"x-soak-id", b"e1"), (b"content-length", b"%d" % len(body))]
+    soak.judge(None, Reply(200, body, True, mine), "e1", False)
+    assert dict(soak.outcomes) == {"served": 1}
+    soak.judge(None, Reply(200, body, True, [(b"x-soak-id", b"stray")]), "e2", False)
+    soak.judge(None, Reply(200, body, True, [(b"x-soak-id", b"e1")]), "e3", False)
+    soak.judge(None, Reply(200, body, True, []), "e4", False)  # not decode's answer
+    soak.judge("decode_cl_chunked", Reply(200, body, True, mine + [
+        (b"transfer-encoding", b"chunked")]), "e1", False)
+    soak.judge(None, Reply(200, body[:10], True, mine), "e1", False)  # cut, looks complete
+    soak.judge(None, Reply(200, b"data: {}\n\n", True, [(b"x-soak-id", b"e5")]), "e5", True)
+    assert soak.outcomes["answered wrong"] == 6
+    soak.judge("decode_hangs_up", Reply(502, b"{}", True, []), "e6", False)
+    soak.judge("decode_hangs_up", Reply(200, body, True, [(b"x-soak-id", b"e7")]), "e7", False)
+    assert soak.outcomes["failed as expected"] == 1 and soak.outcomes["unexpected"] == 1
+    assert soak.bad_by_fault() == {"none": {"answered wrong": 5},
+                                   "decode_cl_chunked": {"answered wrong": 1},
+                                   "decode_hangs_up": {"unexpected": 1}}

@@ -1,0 +1,286 @@
+"""The soak's backends: emulated vLLM prefill and decode that play faults on request,
+and a gate in front of decode that plays the faults of the wire itself.
+
+Faults the demo server can play through its Responder (500, hang, drop, die
+mid-stream) are FaultyBackend's. Faults that break HTTP framing (bytes after a
+complete response, Content-Length beside chunked, a hang-up after reading a
+POST) need raw bytes, so decode is reached through FaultGate: a small HTTP/1.1
+relay on its own port that hands each exchange to the real decode and writes
+the answer back, breaking it when the request asks. The gate is what the proxy
+sees as its decode backend, so it also counts the requests it receives per soak
+id: a POST that arrives twice is a generation the proxy ran twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections import Counter
+from typing import Any
+
+import h11
+
+from lowproxy.demo import DemoBackend, KvRegistry
+from lowproxy.answers import json_body
+from lowproxy.messages import AbortResponse
+
+# A whole second response, as a backend that owes one answer might write two.
+# Its x-soak-id names no request: a client that receives it got a stray answer.
+STRAY_BODY = json_body({"id": "chatcmpl-stray", "object": "chat.completion",
+                        "choices": [{"index": 0, "finish_reason": "stop",
+                                     "message": {"role": "assistant", "content": "stray"}}]})
+STRAY = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-soak-id: stray\r\n"
+         b"content-length: %d\r\n\r\n" % len(STRAY_BODY)) + STRAY_BODY
+# Sent beside Transfer-Encoding: chunked, smaller than any answer: a peer that
+# framed by it (RFC 9112 6.3 says Transfer-Encoding wins) would stop mid-body
+# and read the rest as the next answer.
+WRONG_LENGTH = b"content-length: 10\r\n"
+
+
+def soak_fields(body: bytes) -> tuple[str | None, str | None]:
+    """The fault a request asks for and its soak id, from its JSON body."""
+    if b"soak_" not in body:
+        return None, None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None, None
+    if not isinstance(parsed, dict):
+        return None, None
+    fault, soak_id = parsed.get("soak_fault"), parsed.get("soak_id")
+    return (fault if isinstance(fault, str) else None,
+            soak_id if isinstance(soak_id, str) else None)
+
+
+class FaultyBackend(DemoBackend):
+    """A demo backend that plays the fault named in a request's ``soak_fault`` field."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.received_ids: Counter[str] = Counter()  # generation requests, by soak id
+        self.fault_of: dict[str, str] = {}  # soak id -> fault, for the report
+
+    async def handle(self, request: Any, responder: Any) -> None:
+        fault, soak_id = soak_fields(request.body) if request.method == b"POST" else (None, None)
+        if soak_id:
+            self.received_ids[soak_id] += 1
+            self.fault_of[soak_id] = fault or "none"
+        prefix = f"{self.role}_"
+        if not fault or not fault.startswith(prefix):
+            await super().handle(request, responder)
+            return
+        responder.watch_client()  # a hang-up cancels us, as vLLM aborts
+        kind = fault[len(prefix):]
+        if kind == "dies":
+            await responder.start(200, [(b"content-type", b"text/event-stream")])
+            for index in range(2):
+                await responder.write(b"data: " + json_body({"index": index}) + b"\n\n")
+            raise AbortResponse()
+        if kind == "closes":
+            responder.drop()
+        elif kind == "500":
+            await responder.send_json(500, {"error": {"message": "injected", "code": 500}})
+        elif kind == "hang":
+            await asyncio.Event().wait()
+        elif kind == "slow":
+            await asyncio.sleep(random.uniform(0.1, 1.0))
+            await super().handle(request, responder)
+        else:  # the gate's kinds: decode itself answers normally
+            await super().handle(request, responder)
+
+
+class FaultGate:
+    """decode's front door: one HTTP/1.1 relay per proxy connection, faults on request."""
+
+    def __init__(self, decode_port: int) -> None:
+        self.decode_port = decode_port
+        self.received: Counter[str] = Counter()  # requests the proxy sent, by soak id
+        self.fault_of: dict[str, str] = {}  # soak id -> fault, for the report
+        self.port = 0
+        self._server: asyncio.Server | None = None
+        self._links: set[GateLink] = set()
+
+    async def start(self) -> FaultGate:
+        self._server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for link in list(self._links):
+            link.abort()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        link = GateLink(self, reader, writer)
+        self._links.add(link)
+        try:
+            await link.run()
+        except (ConnectionError, OSError, h11.ProtocolError):
+            pass  # the proxy or decode went away: so does this link
+        finally:
+            link.close()
+            self._links.discard(link)
+
+
+class GateLink:
+    """One connection from the proxy, and the gate's own keep-alive connection to decode."""
+
+    def __init__(self, gate: FaultGate, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter) -> None:
+        self.gate, self.reader, self.writer = gate, reader, writer
+        self.down = h11.Connection(h11.SERVER)  # towards the proxy
+        self.up: tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection] | None = None
+
+    def close(self) -> None:
+        self.writer.close()  # a FIN, as a backend closing its socket sends
+        if self.up is not None:
+            self.up[1].transport.abort()
+            self.up = None
+
+    def abort(self) -> None:
+        self.writer.transport.abort()
+        if self.up is not None:
+            self.up[1].transport.abort()
+
+    async def run(self) -> None:
+        while True:
+            got = await self._request()
+            if got is None:
+                return
+            request, body = got
+            fault, soak_id = soak_fields(body)
+            if soak_id:
+                self.gate.received[soak_id] += 1
+                self.gate.fault_of[soak_id] = fault or "none"
+            if fault == "decode_hangs_up" and soak_id and self.gate.received[soak_id] == 1:
+                return  # the whole POST read, not one response byte written: hang up
+            if not await self._exchange(request, body, fault, soak_id):
+                return
+            if self.down.our_state is not h11.DONE or self.down.their_state is not h11.DONE:
+                return
+            self.down.start_next_cycle()
+
+    async def _request(self) -> tuple[h11.Request, bytes] | None:
+        request, parts = None, []
+        while True:
+            event = self.down.next_event()
+            if event is h11.NEED_DATA:
+                self.down.receive_data(await self.reader.read(65536))
+            elif isinstance(event, h11.Request):
+                request = event
+            elif isinstance(event, h11.Data):
+                parts.append(bytes(event.data))
+            elif isinstance(event, h11.EndOfMessage) and request is not None:
+                return request, b"".join(parts)
+            elif isinstance(event, h11.ConnectionClosed):
+                return None
+
+    async def _upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
+                                       h11.Connection]:
+        if self.up is None:
+            reader, writer = await asyncio.open_connection("127.0.0.1", self.gate.decode_port)
+            self.up = (reader, writer, h11.Connection(h11.CLIENT))
+        return self.up
+
+    async def _exchange(self, request: h11.Request, body: bytes, fault: str | None,
+                        soak_id: str | None) -> bool:
+        """Hand one request to decode and its answer back; False: the connection ends."""
+        up_reader, up_writer, up = await self._upstream()
+        data = up.send(h11.Request(method=request.method, target=request.target,
+                                   headers=list(request.headers)))
+        if body:
+            data += up.send(h11.Data(data=body))
+        up_writer.write(data + up.send(h11.EndOfMessage()))
+        watcher = asyncio.create_task(self._watch_proxy(up_writer))
+        try:
+            return await self._relay_answer(up_reader, up, fault, soak_id)
+        finally:
+            watcher.cancel()
+            await asyncio.wait([watcher])  # off the reader before the next request's read
+
+    async def _watch_proxy(self, up_writer: asyncio.StreamWriter) -> None:
+        """While decode answers: a proxy that hangs up closes the decode leg, as it would
+        on a direct connection (decode then aborts the generation)."""
+        while True:
+            try:
+                data = await self.reader.read(65536)
+            except ConnectionError:
+                data = b""
+            self.down.receive_data(data)  # kept for the next cycle, or the close
+            if not data:
+                up_writer.transport.abort()
+                return
+
+    async def _up_event(self, reader: asyncio.StreamReader, up: h11.Connection) -> Any:
+        while True:
+            try:
+                event = up.next_event()
+                if event is not h11.NEED_DATA:
+                    return event
+                up.receive_data(await reader.read(65536))
+            except (ConnectionError, h11.RemoteProtocolError):
+                return None
+
+    async def _relay_answer(self, up_reader: asyncio.StreamReader, up: h11.Connection,
+                            fault: str | None, soak_id: str | None) -> bool:
+        event = await self._up_event(up_reader, up)
+        while isinstance(event, h11.InformationalResponse):
+            event = await self._up_event(up_reader, up)
+        if not isinstance(event, h11.Response):
+            return False  # decode closed without answering: so does the gate
+        self.writer.write(self._head(event, fault, soak_id))
+        while True:
+            event = await self._up_event(up_reader, up)
+            if isinstance(event, h11.EndOfMessage):
+                break
+            if not isinstance(event, h11.Data):
+                return False  # decode cut its answer short: cut the proxy's too
+            self.writer.write(self.down.send(h11.Data(data=event.data)))
+            await self.writer.drain()
+        tail = self.down.send(h11.EndOfMessage())
+        if fault == "decode_stray_same":
+            tail += STRAY  # in the same write as the end of the real answer
+        self.writer.write(tail)
+        await self.writer.drain()
+        if fault == "decode_stray_later":
+            await asyncio.sleep(random.uniform(0.002, 0.05))
+            self.writer.write(STRAY)  # on the idle connection, before the next request
+        if up.our_state is h11.DONE and up.their_state is h11.DONE:
+            up.start_next_cycle()
+        else:
+            assert self.up is not None
+            self.up[1].transport.abort()
+            self.up = None
+        return True
+
+    def _head(self, response: h11.Response, fault: str | None, soak_id: str | None) -> bytes:
+        """decode's response head, with the request's x-soak-id (so a client can tell
+        whose answer it got) and, for decode_cl_chunked, both framings."""
+        both = fault == "decode_cl_chunked"
+        headers = [(name, value) for name, value in response.headers
+                   if not (both and name == b"content-length")]
+        if soak_id:
+            headers.append((b"x-soak-id", soak_id.encode()))
+        if both and not any(name == b"transfer-encoding" for name, _ in headers):
+            headers.append((b"transfer-encoding", b"chunked"))
+        head = self.down.send(h11.Response(status_code=response.status_code, headers=headers,
+                                           reason=response.reason))
+        return head[:-2] + WRONG_LENGTH + b"\r\n" if both else head
+
+
+async def start_backends() -> tuple[FaultyBackend, FaultyBackend, FaultGate]:
+    registry = KvRegistry()
+    prefill = FaultyBackend("prefill", registry=registry, record=False)
+    decode = FaultyBackend("decode", registry=registry, record=False)
+    await prefill.start("127.0.0.1", 0, bootstrap_port=0)
+    await decode.start("127.0.0.1", 0, bootstrap_port=None)
+    gate = await FaultGate(decode.port).start()
+    return prefill, decode, gate
