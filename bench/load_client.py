@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from load_procs import cpu_times, memory_kb
+from load_procs import cpu_delta, cpu_sample, memory_kb
 
 CHAT_PATH = "/v1/chat/completions"
 
@@ -281,11 +281,17 @@ def finish(result: Result, latencies: list[float], elapsed: float, measured_pid:
     return result
 
 
-def cpu_spent(pid: int | None, before: tuple[float, float]) -> tuple[float, float]:
-    if not pid:
-        return 0.0, 0.0
-    after = cpu_times(pid)
-    return after[0] - before[0], after[1] - before[1]
+Sample = tuple[float, float, float | None]
+NO_SAMPLE: Sample = (0.0, 0.0, 0.0)
+
+
+def cpu_start(pid: int | None) -> Sample:
+    return cpu_sample(pid) if pid else NO_SAMPLE
+
+
+def cpu_spent(pid: int | None, before: Sample) -> tuple[float, float]:
+    """(user, system) seconds pid's tree spent since ``before``; zeros for no pid."""
+    return cpu_delta(before, cpu_sample(pid)) if pid else (0.0, 0.0)
 
 
 async def drive(scenario: str, target: str, port: int, measured_pid: int | None,
@@ -299,7 +305,7 @@ async def drive(scenario: str, target: str, port: int, measured_pid: int | None,
     workers = [asyncio.ensure_future(worker(load)) for _ in range(concurrency)]
     try:
         await asyncio.sleep(settings.warmup)
-        cpu_before = cpu_times(measured_pid) if measured_pid else (0.0, 0.0)
+        cpu_before = cpu_start(measured_pid)
         started = time.perf_counter()
         load.recording = True
         if load.wanted:

@@ -57,6 +57,51 @@ def cpu_times(pid: int) -> tuple[float, float]:
     return user / CLOCK_TICKS, system / CLOCK_TICKS
 
 
+def _run_ns(pid: int) -> int | None:
+    """Nanoseconds on CPU of pid's live threads (/proc/<pid>/task/*/schedstat, field 1)."""
+    total = 0
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0  # gone: it costs nothing any more
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat", "rb") as f:
+                total += int(f.read().split()[0])
+        except FileNotFoundError:
+            continue  # a thread that just ended
+        except (OSError, ValueError, IndexError):
+            return None  # no schedstat in this kernel
+    return total
+
+
+def cpu_sample(pid: int) -> tuple[float, float, float | None]:
+    """(utime, stime, exact on-CPU time) of pid and its descendants, in seconds.
+
+    utime and stime count in clock ticks (10 ms at 100 Hz), too coarse for a short
+    run; the scheduler's nanosecond figure gives the total, the ticks only the split.
+    """
+    user, system = cpu_times(pid)
+    exact = 0
+    for member in process_tree(pid):
+        ns = _run_ns(member)
+        if ns is None:
+            return user, system, None
+        exact += ns
+    return user, system, exact / 1e9
+
+
+def cpu_delta(before: tuple[float, float, float | None],
+              after: tuple[float, float, float | None]) -> tuple[float, float]:
+    """(user, system) seconds spent between two samples."""
+    user, system = after[0] - before[0], after[1] - before[1]
+    if before[2] is None or after[2] is None:
+        return user, system
+    total = max(0.0, after[2] - before[2])
+    share = system / (user + system) if user + system > 0 else 0.0
+    return total * (1 - share), total * share
+
+
 def memory_kb(pid: int, key: str) -> int:
     """A /proc/<pid>/status figure (VmRSS, VmHWM) summed over the tree, in KiB."""
     total = 0

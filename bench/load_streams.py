@@ -16,12 +16,13 @@ from load_client import (
     Result,
     chat_body,
     cpu_spent,
+    cpu_start,
     finish,
     read_response,
     request_bytes,
     worker,
 )
-from load_procs import cpu_times, memory_kb
+from load_procs import memory_kb
 
 
 class StreamCount:
@@ -118,7 +119,7 @@ async def idle_streams(target: str, port: int, measured_pid: int, args: argparse
         await asyncio.sleep(args.idle_settle)
         rss_open = memory_kb(measured_pid, "VmRSS")
         # Every open stream trickles a chunk per --idle-chunk-delay: CPU per chunk.
-        cpu_before = cpu_times(measured_pid)
+        cpu_before = cpu_start(measured_pid)
         count.chunks = 0
         await asyncio.sleep(args.idle_hold)
         user, system = cpu_spent(measured_pid, cpu_before)
@@ -186,7 +187,7 @@ async def trickle(target: str, port: int, measured_pid: int | None, args: argpar
     slots = [Connection(port) for _ in range(n)]
     try:
         await _trickle_round(slots, load, args.trickle_interval)
-        cpu_before = cpu_times(measured_pid) if measured_pid else (0.0, 0.0)
+        cpu_before = cpu_start(measured_pid)
         started = time.perf_counter()
         load.recording = True
         for _ in range(args.trickle_rounds):
