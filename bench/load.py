@@ -77,7 +77,8 @@ def run_fast(scenario: str, backends: Backends, args: argparse.Namespace,
     proxy = ProxyProcess(proxy_command(args), backends, kv_protocol, loop, env)
     try:
         results = [asyncio.run(drive(scenario, "proxy", proxy.port, proxy.pid,
-                                     args.concurrency, args, stream))]
+                                     args.concurrency, args, stream,
+                                     backend_pid=backends.pid))]
     finally:
         proxy.stop()
     if scenario != "workers":
@@ -253,7 +254,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error("--repeat must be at least 1")
 
 
-SETTINGS = ("scenarios", "loops", "repeat", "concurrency", "duration", "requests", "warmup",
+SETTINGS = ("cpus", "scenarios", "loops", "repeat", "concurrency", "duration", "requests", "warmup",
             "stream_chunks", "trickle_streams", "trickle_events", "trickle_interval",
             "trickle_rounds", "workers", "idle_streams", "idle_chunk_delay", "timeout")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import resource
 import sys
 import time
 from dataclasses import dataclass, field
@@ -249,6 +250,9 @@ class Result:
     cpu_us_per_chunk: float | None = None
     cpu_us_per_chunk_net: float | None = None  # trickle: net of chat's per-request cost
     cpu_sys_share: float | None = None  # of that CPU, the kernel's (stime) part
+    # proxy rows of closed-loop runs: what the other processes spent per request meanwhile
+    backend_cpu_us_per_request: float | None = None
+    client_cpu_us_per_request: float | None = None
     peak_rss_kb: int | None = None
     rss_before_kb: int | None = None
     rss_open_kb: int | None = None
@@ -294,10 +298,20 @@ def cpu_spent(pid: int | None, before: Sample) -> tuple[float, float]:
     return cpu_delta(before, cpu_sample(pid)) if pid else (0.0, 0.0)
 
 
+def client_cpu() -> float:
+    """This script's own CPU seconds (not its children: they are the backends and proxy)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 async def drive(scenario: str, target: str, port: int, measured_pid: int | None,
                 concurrency: int, settings: Any, stream: bool,
-                body: bytes | None = None) -> Result:
-    """Closed-loop load: warm up, then record for --duration seconds or --requests."""
+                body: bytes | None = None, backend_pid: int | None = None) -> Result:
+    """Closed-loop load: warm up, then record for --duration seconds or --requests.
+
+    ``backend_pid``: also measure the backends and this client over the same window,
+    so the CPU all processes spend per request (what a core count allows) is known.
+    """
     payload = request_bytes(port, CHAT_PATH, body if body is not None else chat_body(stream))
     load = Load(port=port, payload=payload, stream=stream, timeout=settings.timeout,
                 expected_events=settings.stream_chunks if stream else 0,
@@ -305,8 +319,8 @@ async def drive(scenario: str, target: str, port: int, measured_pid: int | None,
     workers = [asyncio.ensure_future(worker(load)) for _ in range(concurrency)]
     try:
         await asyncio.sleep(settings.warmup)
-        cpu_before = cpu_start(measured_pid)
-        started = time.perf_counter()
+        cpu_before, backend_before = cpu_start(measured_pid), cpu_start(backend_pid)
+        client_before, started = client_cpu(), time.perf_counter()
         load.recording = True
         if load.wanted:
             try:
@@ -317,7 +331,8 @@ async def drive(scenario: str, target: str, port: int, measured_pid: int | None,
             await asyncio.sleep(settings.duration)
         load.recording = False
         elapsed = time.perf_counter() - started
-        cpu = cpu_spent(measured_pid, cpu_before)
+        cpu, backend = cpu_spent(measured_pid, cpu_before), cpu_spent(backend_pid, backend_before)
+        client = client_cpu() - client_before
     finally:
         load.stop = True
         _, pending = await asyncio.wait(workers, timeout=settings.timeout)
@@ -325,4 +340,7 @@ async def drive(scenario: str, target: str, port: int, measured_pid: int | None,
             task.cancel()
     result = Result(scenario, target, concurrency, chunks=load.events, errors=load.errors,
                     error_kinds=load.error_kinds)
+    if backend_pid and load.latencies:
+        result.backend_cpu_us_per_request = sum(backend) * 1e6 / len(load.latencies)
+        result.client_cpu_us_per_request = client * 1e6 / len(load.latencies)
     return finish(result, load.latencies, elapsed, measured_pid, cpu)

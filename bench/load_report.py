@@ -76,6 +76,21 @@ def _latency_added(g: Group, s: Any) -> float | None:
     return through - direct - prefill
 
 
+def _ceiling_rps(g: Group, s: Any) -> float | None:
+    """The req/s this machine allows at best: cpus / (CPU of proxy, backends and load
+    client per request, from the workers run). When they all share the cores, more
+    workers cannot go faster than this, however the proxy's work is spread."""
+    row = g.get(("workers", "proxy"))
+    if row is None or not getattr(s, "cpus", None):
+        return None
+    parts = (row.cpu_us_per_request, row.backend_cpu_us_per_request,
+             row.client_cpu_us_per_request)
+    total = sum(p for p in parts if p is not None)
+    if None in parts or not total:
+        return None
+    return s.cpus * 1e6 / total
+
+
 @dataclass
 class Figure:
     scenario: str  # whose proxy row's errors make its target fail
@@ -131,6 +146,11 @@ def _figures() -> list[Figure]:
                lambda g, s: _div(_get(g, "workers", "proxy", "rps"),
                               _get(g, "chat", "direct", "rps")),
                "direct req/s", limit=1.7, at_most=False),
+        Figure("workers", "workers {workers}: machine's ceiling vs one worker, cpus / CPU "
+               "of proxy + backends + client per request", "x",
+               lambda g, s: _div(_ceiling_rps(g, s), _get(g, "chat", "proxy", "rps")),
+               lambda g, s: _div(_ceiling_rps(g, s), _get(g, "chat", "direct", "rps")),
+               "direct req/s"),
         Figure("latency", "latency c=1: prefill backend's own p50", "ms",
                lambda g, s: _get(g, "latency", "prefill", "p50_ms"),
                lambda g, s: _div(_get(g, "latency", "prefill", "p50_ms"),

@@ -64,6 +64,9 @@ def check_result(result: dict) -> None:
             assert result["cpu_us_per_chunk_net"] is not None
         return
     assert result["requests"] >= 200
+    if target == "proxy":  # the other processes' CPU over the same window
+        assert result["backend_cpu_us_per_request"] > 0, result
+        assert result["client_cpu_us_per_request"] > 0, result
     if scenario == "stream":
         assert result["chunks"] >= 17 * result["requests"], result  # 16 + [DONE] each
         assert result["cpu_us_per_chunk"] > 0
@@ -91,6 +94,8 @@ def test_bench_smoke_run_every_scenario(tmp_path):
     assert any("trickle 4x5 events: proxy CPU per event, all in" in line and "[info]" in line
                for line in lines), run.stdout
     assert any("prefill backend's own p50" in line for line in lines)
+    assert any("workers 2: machine's ceiling vs one worker" in line and "[info]" in line
+               for line in lines), run.stdout
 
     # The JSON document: the same figures, all present where they apply.
     report = json.loads(document.read_text())
