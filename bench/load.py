@@ -92,7 +92,8 @@ def run_latency(backends: Backends, args: argparse.Namespace, loop: str) -> list
     to prefill: the proxy's p50 is at best decode's own plus prefill's own."""
     proxy = ProxyProcess(proxy_command(args), backends, "relay", loop, extra_env(args))
     try:
-        through = asyncio.run(drive("latency", "proxy", proxy.port, proxy.pid, 1, args, False))
+        through = asyncio.run(drive("latency", "proxy", proxy.port, proxy.pid, 1, args, False,
+                                    backend_pid=backends.pid))
     finally:
         proxy.stop()
     direct = asyncio.run(drive("latency", "direct", backends.decode_port, backends.pid, 1,
