@@ -25,59 +25,21 @@ import json
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .demo_answers import Result, answer, responses_object, stream
-from .demo_engine import (EMBEDDINGS, GENERATE, MESSAGES, RESPONSES, Parsed, Problem,
+from .demo_engine import (EMBEDDINGS, GENERATE, RESPONSES, Parsed, Problem,
                           check_length, generate, parse, route_of)
 from .demo_handshake import NIXL, EngineDead, prefill_kv, pull_kv, sglang_kv
 from .demo_kv import KvRegistry, PrefixCache
+from .demo_wire import (DEAD_MESSAGE, Faults, Inflight, Received, answer_aborted, send_error,
+                        serve_kv)
 from .messages import AbortResponse, ClientRequest, Responder, json_body
 from .server import HttpServer
 
 __all__ = ["DemoBackend", "Faults", "KvRegistry", "MODEL", "Received", "main", "start_pair"]
 
 MODEL = "demo-model"
-DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
-
-
-@dataclass
-class Received:
-    method: str
-    path: str
-    target: str
-    headers: list[tuple[bytes, bytes]]
-    body: Any
-    raw_body: bytes
-
-    def header(self, name: str) -> bytes | None:
-        key = name.lower().encode()
-        for header, value in self.headers:
-            if header == key:
-                return value
-        return None
-
-
-@dataclass
-class Faults:
-    """Knobs a test turns to make this backend misbehave."""
-
-    status: int | None = None          # answer generation requests with this status
-    delay: float = 0.0                 # wait this long before answering
-    hang: bool = False                 # accept, read, never answer
-    die_after_chunks: int | None = None  # stream this many chunks, then drop the connection
-    close_without_response: bool = False
-    kv_params: Any = "default"         # prefill's kv_transfer_params answer ("default": NIXL-like)
-    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class _Inflight:
-    rid: str
-    task: "asyncio.Future[None]"
-    aborted: bool = False
-    dead: bool = False
 
 
 class DemoBackend:
@@ -131,7 +93,7 @@ class DemoBackend:
         self.aborted: list[str] = []        # rids of requests an abort ended
         self.stored_responses: dict[str, dict[str, Any]] = {}
         self.dead: str | None = None        # why the engine core died
-        self._inflight: set[_Inflight] = set()
+        self._inflight: set[Inflight] = set()
         self.server = HttpServer(self.handle)
         self.bootstrap_server = HttpServer(self.handle_bootstrap)
         self.port = 0
@@ -184,7 +146,7 @@ class DemoBackend:
 
     async def handle_bootstrap(self, request: ClientRequest, responder: Responder) -> None:
         if request.path == "/kv" and self.bootstrap_up:
-            await self._serve_kv(request, responder)
+            await serve_kv(self.registry, request, responder)
             return
         if request.path != "/query" or not self.bootstrap_up:
             await responder.send_bytes(404, b'{"detail":"Not Found"}')
@@ -194,19 +156,6 @@ class DemoBackend:
                              "worker_addr": {"0": {"0": f"tcp://127.0.0.1:{40000 + int(rank)}"}}}
                       for rank, engine_id in self.engine_ids.items()}
         await responder.send_json(200, answer_map)
-
-    async def _serve_kv(self, request: ClientRequest, responder: Responder) -> None:
-        from urllib.parse import parse_qs
-
-        query = parse_qs(request.target.decode("latin-1").partition("?")[2])
-        key = (query.get("key") or [""])[0]
-        engine = self.registry.engine_of(key)
-        if engine is None:
-            await responder.send_json(404, {"detail": "no such KV"})
-            return
-        if (query.get("take") or ["0"])[0] == "1":
-            self.registry.take(key)
-        await responder.send_json(200, {"engine_id": engine})
 
     # -- the OpenAI server
 
@@ -287,7 +236,7 @@ class DemoBackend:
         death) ends it and this handler still answers."""
         rid = body.get("rid") if isinstance(body, dict) else None
         work = asyncio.ensure_future(self._generation(request, responder, route, body))
-        entry = _Inflight(str(rid) if rid is not None else uuid.uuid4().hex, work)
+        entry = Inflight(str(rid) if rid is not None else uuid.uuid4().hex, work)
         self._inflight.add(entry)
         try:
             await work
@@ -296,40 +245,18 @@ class DemoBackend:
             if task is not None and task.cancelling():
                 raise  # this handler itself is cancelled: the client went away
             if entry.aborted:
-                await self._answer_aborted(responder, route, entry.rid)
+                await answer_aborted(responder, entry.rid)
             elif entry.dead:
                 if responder.started:
                     responder.drop()
                 else:
-                    await self._error(responder, 500, DEAD_MESSAGE, "EngineDeadError")
+                    await send_error(responder, 500, DEAD_MESSAGE, "EngineDeadError")
             else:
                 raise
         finally:
             self._inflight.discard(entry)
             if not work.done():
                 work.cancel()
-
-    async def _answer_aborted(self, responder: Responder, route: str, rid: str) -> None:
-        # SGLang ends an aborted request with finish_reason "abort", promptly.
-        choice = {"index": 0, "text": "", "logprobs": None,
-                  "finish_reason": {"type": "abort", "message": f"Abort request {rid}"}}
-        if responder.started:
-            if not responder.ended:
-                await responder.write(b"data: " + json_body({"choices": [choice]}) + b"\n\n"
-                                      b"data: [DONE]\n\n")
-                await responder.end()
-            return
-        await responder.send_json(200, {"id": rid, "object": "abort", "choices": [choice]})
-
-    async def _error(self, responder: Responder, status: int, message: str, kind: str,
-                     param: str | None = None, route: str = "") -> None:
-        if route == MESSAGES:  # vLLM's Anthropic endpoint answers in Anthropic's shape
-            kind = {404: "not_found_error", 400: "invalid_request_error"}.get(status, "api_error")
-            await responder.send_json(status, {"type": "error", "error": {
-                "type": kind, "message": message}})
-            return
-        await responder.send_json(status, {"error": {"message": message, "type": kind,
-                                                     "param": param, "code": status}})
 
     async def _generation(self, request: ClientRequest, responder: Responder, route: str,
                           body: Any) -> None:
@@ -339,13 +266,13 @@ class DemoBackend:
         if faults.delay:
             await asyncio.sleep(faults.delay)
         if faults.status is not None:
-            await self._error(responder, faults.status, "injected failure", "InternalServerError")
+            await send_error(responder, faults.status, "injected failure", "InternalServerError")
             return
         if self.dead:
-            await self._error(responder, 500, DEAD_MESSAGE, "EngineDeadError")
+            await send_error(responder, 500, DEAD_MESSAGE, "EngineDeadError")
             return
         if not isinstance(body, dict):
-            await self._error(responder, 400, "body must be a JSON object", "BadRequestError")
+            await send_error(responder, 400, "body must be a JSON object", "BadRequestError")
             return
         if route == EMBEDDINGS:
             await responder.send_json(200, {"object": "list", "model": body.get("model", MODEL),
@@ -353,7 +280,7 @@ class DemoBackend:
                                                       "embedding": [0.1, 0.2, 0.3]}]})
             return
         if route == GENERATE and not self.scale_out:
-            await self._error(responder, 403, "the generate API needs --enable-scale-out",
+            await send_error(responder, 403, "the generate API needs --enable-scale-out",
                               "ForbiddenError")
             return
         try:
@@ -361,11 +288,11 @@ class DemoBackend:
             self._check_model(body, parsed)
             result = await self._run(request, parsed, body)
         except Problem as problem:
-            await self._error(responder, problem.status, problem.message, problem.kind,
+            await send_error(responder, problem.status, problem.message, problem.kind,
                               problem.param, route)
             return
         except EngineDead:
-            await self._error(responder, 500, DEAD_MESSAGE, "EngineDeadError")
+            await send_error(responder, 500, DEAD_MESSAGE, "EngineDeadError")
             return
         await self._send(responder, result)
 
