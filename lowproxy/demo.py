@@ -47,7 +47,7 @@ class DemoBackend:
                  registry: KvRegistry | None = None,
                  stream_chunks: int | None = None, chunk_delay: float = 0.0,
                  kv_wait_timeout: float | None = 30.0, record: bool = True,
-                 api_key: str | None = None, served_model_names: Sequence[str] = (MODEL,),
+                 api_key: str | None = None, served_model_names: Sequence[str] | None = None,
                  max_model_len: int = 4096, prompt_tokens_details: bool = False,
                  scale_out: bool = False, relay_connector: str = NIXL,
                  nested_block_ids: bool = False, eos_first: float = 0.0,
@@ -63,7 +63,11 @@ class DemoBackend:
         self.kv_wait_timeout = kv_wait_timeout
         self.record = record
         self.api_key = api_key  # vLLM --api-key: /v1/... needs "Bearer <key>"
-        self.served_model_names = list(served_model_names)
+        # None: /v1/models lists demo-model and any model name is answered (the
+        # demo's lenient default, which --demo and older tests rely on); given:
+        # vLLM's --served-model-name, other names 404.
+        self.served_model_names = list(served_model_names or [MODEL])
+        self.any_model = served_model_names is None
         self.max_model_len = max_model_len
         self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
         self.scale_out = scale_out  # --enable-scale-out: /inference/v1/generate
@@ -298,7 +302,7 @@ class DemoBackend:
 
     def _check_model(self, body: dict[str, Any], parsed: Parsed) -> None:
         model = body.get("model")
-        if model is not None and model not in self.served_model_names:
+        if model is not None and model not in self.served_model_names and not self.any_model:
             raise Problem(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
         parsed.model = model or self.served_model_names[0]
         previous = body.get("previous_response_id")

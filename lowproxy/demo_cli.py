@@ -60,9 +60,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="as vLLM's --api-key: /v1/... answers 401 without "
                         "'Authorization: Bearer <key>'")
-    p.add_argument("--served-model-name", nargs="+", default=[MODEL],
-                   help=f"model names served (several allowed; default {MODEL}); "
-                        "other models are 404")
+    p.add_argument("--served-model-name", nargs="+", default=None,
+                   help=f"model names served (several allowed), as vLLM's flag: a request "
+                        f"for another model is 404; without it {MODEL} is listed and any "
+                        "model name is answered")
     p.add_argument("--max-model-len", type=int, default=4096,
                    help="context length reported on /v1/models and enforced")
     p.add_argument("--enable-prompt-tokens-details", action="store_true",
