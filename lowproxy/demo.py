@@ -1,124 +1,84 @@
-"""An emulated vLLM OpenAI server: prefill, decode and Mooncake bootstrap in one.
+"""An emulated vLLM OpenAI server (and SGLang PD server): prefill, decode and
+Mooncake bootstrap in one.
 
 It serves ``--demo`` (a newcomer's first curl works with no GPU), the test
-suite and bench/load.py. It is strict where vLLM is strict, so tests catch a
-proxy that shapes legs wrongly:
+suite and bench/load.py. It is strict where vLLM 0.33 is strict, so tests catch
+a proxy that shapes legs wrongly; see demo_engine.py (what is accepted, what is
+generated), demo_handshake.py (what a prefill keeps and a decode pulls),
+demo_answers.py (the shapes of the answers) and demo_kv.py (tokens, prefix
+cache, the emulated KV transfer).
 
-* ``stream_options`` without ``stream`` and ``min_tokens > max_tokens`` are 400s;
-* a relay (NIXL-style) decode given ``do_remote_prefill`` without
-  ``remote_block_ids`` fails (NIXL asserts);
-* a Mooncake decode waits for the prefill of its ``transfer_id`` on the engine
-  it was told, for ``kv_wait_timeout`` seconds (vLLM 0.30+ then fails the
-  request) or for ever when that is None (vLLM 0.16-0.28);
-* an SGLang decode waits likewise for the prefill of its ``bootstrap_room``.
+Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
+``/v1/messages``, ``/inference/v1/generate`` (with ``scale_out`` only, else
+403), ``/v1/embeddings``; ``GET /health``, ``/version``, ``/v1/models``;
+SGLang's ``POST /abort_request``. Any other POST is echoed back.
 
 Every request it receives is recorded in ``received`` (method, path, headers,
-parsed body), and a few knobs inject faults. Prefill and decode started in one
-process share a KvRegistry, which stands in for the KV transfer.
+parsed body), and ``Faults`` knobs inject failures. Prefill and decode started
+in one process share a KvRegistry, which stands in for the KV transfer.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
+import random
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
+from .demo_answers import Result, answer, responses_object, stream
+from .demo_engine import (EMBEDDINGS, GENERATE, RESPONSES, Parsed, Problem,
+                          check_length, generate, parse, route_of)
+from .demo_handshake import NIXL, EngineDead, prefill_kv, pull_kv, sglang_kv
+from .demo_kv import KvRegistry, PrefixCache
+from .demo_wire import (DEAD_MESSAGE, Faults, Inflight, Received, answer_aborted, send_error,
+                        serve_kv)
 from .answers import json_body
 from .messages import AbortResponse, ClientRequest
 from .responder import Responder
 from .server import HttpServer
 
+__all__ = ["DemoBackend", "Faults", "KvRegistry", "MODEL", "Received", "main", "start_pair"]
+
 MODEL = "demo-model"
-
-
-class KvRegistry:
-    """Which transfers a prefill has computed, standing in for the KV transfer."""
-
-    def __init__(self) -> None:
-        self._ready: dict[str, asyncio.Future[str]] = {}
-
-    def _future(self, key: str) -> asyncio.Future[str]:
-        future = self._ready.get(key)
-        if future is None:
-            future = self._ready[key] = asyncio.get_running_loop().create_future()
-        return future
-
-    def computed(self, key: str, engine_id: str) -> None:
-        future = self._future(key)
-        if not future.done():
-            future.set_result(engine_id)
-
-    def is_computed(self, key: str) -> bool:
-        future = self._ready.get(key)
-        return future is not None and future.done()
-
-    def take(self, key: str) -> bool:
-        """Whether the KV of ``key`` was computed; a decode pulls it once, so forget it
-        (a long benchmark or --demo run would otherwise keep every key)."""
-        future = self._ready.get(key)
-        if future is None or not future.done():
-            return False
-        del self._ready[key]
-        return True
-
-    async def wait(self, key: str, timeout: float | None) -> str:
-        future = self._future(key)
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout)
-        finally:
-            if future.done():
-                self._ready.pop(key, None)
-
-
-@dataclass
-class Received:
-    method: str
-    path: str
-    target: str
-    headers: list[tuple[bytes, bytes]]
-    body: Any
-    raw_body: bytes
-
-    def header(self, name: str) -> bytes | None:
-        key = name.lower().encode()
-        for header, value in self.headers:
-            if header == key:
-                return value
-        return None
-
-
-@dataclass
-class Faults:
-    """Knobs a test turns to make this backend misbehave."""
-
-    status: int | None = None          # answer generation requests with this status
-    delay: float = 0.0                 # wait this long before answering
-    hang: bool = False                 # accept, read, never answer
-    die_after_chunks: int | None = None  # stream this many chunks, then drop the connection
-    close_without_response: bool = False
-    kv_params: Any = "default"         # prefill's kv_transfer_params answer ("default": NIXL-like)
-    extra_headers: list[tuple[bytes, bytes]] = field(default_factory=list)
 
 
 class DemoBackend:
     def __init__(self, role: str = "decode", *, ranks: int = 1,
                  registry: KvRegistry | None = None,
                  stream_chunks: int | None = None, chunk_delay: float = 0.0,
-                 kv_wait_timeout: float | None = 30.0, record: bool = True) -> None:
+                 kv_wait_timeout: float | None = 30.0, record: bool = True,
+                 api_key: str | None = None, served_model_names: Sequence[str] | None = None,
+                 max_model_len: int = 4096, prompt_tokens_details: bool = False,
+                 scale_out: bool = False, relay_connector: str = NIXL,
+                 nested_block_ids: bool = False, eos_first: float = 0.0,
+                 block_size: int = 16, prefix_cache_blocks: int = 4096,
+                 remote_kv: bool = False, seed: int = 0) -> None:
         self.role = role  # "prefill" or "decode": only SGLang needs to know
-        name = role
-        self.name = name
+        self.name = role
         self.registry = registry or KvRegistry()
-        self.engine_ids = {str(rank): f"{name}-{uuid.uuid4().hex[:12]}_dp{rank}"
+        self.engine_ids = {str(rank): f"{role}-{uuid.uuid4().hex[:12]}_dp{rank}"
                            for rank in range(ranks)}
-        self.stream_chunks = stream_chunks
+        self.stream_chunks = stream_chunks  # streams this many tokens, whatever the cap
         self.chunk_delay = chunk_delay
         self.kv_wait_timeout = kv_wait_timeout
         self.record = record
+        self.api_key = api_key  # vLLM --api-key: /v1/... needs "Bearer <key>"
+        # None: /v1/models lists demo-model and any model name is answered (the
+        # demo's lenient default, which --demo and older tests rely on); given:
+        # vLLM's --served-model-name, other names 404.
+        self.served_model_names = list(served_model_names or [MODEL])
+        self.any_model = served_model_names is None
+        self.max_model_len = max_model_len
+        self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
+        self.scale_out = scale_out  # --enable-scale-out: /inference/v1/generate
+        self.relay_connector = relay_connector  # "nixl" or "mooncake-0.13"
+        self.nested_block_ids = nested_block_ids  # NIXL 0.33: one list per KV-cache group
+        self.eos_first = eos_first  # fraction of requests whose first token is EOS
+        self.prefix_cache = PrefixCache(block_size, prefix_cache_blocks)
+        self.remote_kv = remote_kv  # separate processes: pull through the bootstrap server
+        self._rng = random.Random(seed)
         self.faults = Faults()
         self.received: list[Received] = []
         self.bootstrap_queries = 0
@@ -128,6 +88,18 @@ class DemoBackend:
         # Generation requests whose caller hung up before the answer ended (vLLM
         # aborts such a request): how tests see that the proxy closed a leg.
         self.abandoned = 0
+        # What the strict rules saw, for tests to assert.
+        self.kv_copies: list[int] = []      # per prefill leg: engine requests (n x prompts)
+        self.kv_dropped: list[str] = []     # transfers freed because prefill stopped
+        self.kv_pulls: list[dict[str, Any]] = []  # decode pulls (always prompt 0)
+        self.shared_kv_subrequests = 0      # sub-requests that shared prompt 0's params
+        self.stuck_pulls = 0                # Mooncake decodes waiting for ever
+        self.tokenization_skipped = 0       # decodes given prompt_token_ids
+        self.abort_requests: list[str] = []  # rids POSTed to /abort_request
+        self.aborted: list[str] = []        # rids of requests an abort ended
+        self.stored_responses: dict[str, dict[str, Any]] = {}
+        self.dead: str | None = None        # why the engine core died
+        self._inflight: set[Inflight] = set()
         self.server = HttpServer(self.handle)
         self.bootstrap_server = HttpServer(self.handle_bootstrap)
         self.port = 0
@@ -148,29 +120,48 @@ class DemoBackend:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    @property
+    def side_port(self) -> int:
+        """The NIXL / old Mooncake side channel a decode connects to: here the
+        bootstrap server, which serves the emulated transfer (GET /kv)."""
+        return self.bootstrap_port or 5600
+
     async def close(self) -> None:
         await self.server.drain(0)
         await self.bootstrap_server.drain(0)
 
     def restart_engines(self) -> None:
-        """New engine ids, as a restarted vLLM prefill would have."""
+        """New engine ids, as a restarted vLLM would have (a dead one comes back)."""
         self.engine_ids = {rank: f"{self.name}-{uuid.uuid4().hex[:12]}_dp{rank}"
                            for rank in self.engine_ids}
+        self.dead = None
+
+    def die(self, why: str) -> None:
+        """The engine core is gone: every request on it fails, /health answers 503."""
+        self.dead = why
+        current = asyncio.current_task()
+        for entry in list(self._inflight):
+            if entry.task is not current and not entry.task.done():
+                entry.dead = True
+                entry.task.cancel()
 
     def requests_to(self, suffix: str) -> list[Received]:
         return [r for r in self.received if r.path.endswith(suffix)]
 
-    # -- the bootstrap server (GET /query)
+    # -- the bootstrap server (GET /query; GET /kv, the emulated transfer)
 
     async def handle_bootstrap(self, request: ClientRequest, responder: Responder) -> None:
+        if request.path == "/kv" and self.bootstrap_up:
+            await serve_kv(self.registry, request, responder)
+            return
         if request.path != "/query" or not self.bootstrap_up:
             await responder.send_bytes(404, b'{"detail":"Not Found"}')
             return
         self.bootstrap_queries += 1
-        answer = {rank: {"engine_id": engine_id,
-                         "worker_addr": {"0": {"0": f"tcp://127.0.0.1:{40000 + int(rank)}"}}}
-                  for rank, engine_id in self.engine_ids.items()}
-        await responder.send_json(200, answer)
+        answer_map = {rank: {"engine_id": engine_id,
+                             "worker_addr": {"0": {"0": f"tcp://127.0.0.1:{40000 + int(rank)}"}}}
+                      for rank, engine_id in self.engine_ids.items()}
+        await responder.send_json(200, answer_map)
 
     # -- the OpenAI server
 
@@ -186,25 +177,94 @@ class DemoBackend:
             self.received.append(Received(request.method.decode(), path,
                                           request.target.decode("latin-1"), request.headers,
                                           body, request.body))
+        if not self._authorised(request):
+            await responder.send_json(401, {"error": "Unauthorized"})
+            return
         if request.method in (b"GET", b"HEAD"):
             await self._get(path, responder)
             return
-        if not path.endswith(("/completions", "/embeddings")):
+        if path == "/abort_request":
+            await self._abort(body, responder)
+            return
+        route = route_of(path)
+        if route is None:
             await responder.send_json(200, {"path": path, "echo": body})
             return
-        faults = self.faults
-        if faults.close_without_response:
+        if self.faults.close_without_response:
             responder.drop()
             return
         responder.watch_client()  # a hang-up cancels this handler, as vLLM aborts
         try:
-            await self._generation(request, responder, path, body)
+            await self._abortable(request, responder, route, body)
         except asyncio.CancelledError:
             if responder.client_gone:
                 self.abandoned += 1
             raise
 
-    async def _generation(self, request: ClientRequest, responder: Responder, path: str,
+    def _authorised(self, request: ClientRequest) -> bool:
+        # vLLM's --api-key guards the /v1 routes only (not /health, /version, ...).
+        if self.api_key is None or not request.path.startswith("/v1"):
+            return True
+        return request.header(b"authorization") == f"Bearer {self.api_key}".encode()
+
+    async def _get(self, path: str, responder: Responder) -> None:
+        if path == "/health":
+            await responder.send_bytes(503 if self.dead else 200, b"", [])
+        elif path == "/version":
+            await responder.send_json(200, {"version": "0.33.0-demo"})
+        elif path.endswith("/models"):
+            await responder.send_json(200, {"object": "list", "data": [{
+                "id": name, "object": "model", "created": 0, "owned_by": "lowproxy-demo",
+                "root": self.served_model_names[0], "parent": None,
+                "max_model_len": self.max_model_len} for name in self.served_model_names]})
+        elif path.startswith("/v1/responses/") and path[14:] in self.stored_responses:
+            await responder.send_json(200, self.stored_responses[path[14:]])
+        else:
+            await responder.send_json(404, {"detail": "Not Found"})
+
+    async def _abort(self, body: Any, responder: Responder) -> None:
+        """SGLang's POST /abort_request {"rid": ...}: every request whose rid starts
+        with it (or all, with abort_all) ends at once; 200 with an empty body."""
+        body = body if isinstance(body, dict) else {}
+        rid = str(body.get("rid") or "")
+        self.abort_requests.append(rid)
+        for entry in list(self._inflight):
+            if (body.get("abort_all") or (rid and entry.rid.startswith(rid))) \
+                    and not entry.task.done():
+                entry.aborted = True
+                self.aborted.append(entry.rid)
+                entry.task.cancel()
+        await responder.send_bytes(200, b"", [])
+
+    async def _abortable(self, request: ClientRequest, responder: Responder, route: str,
+                         body: Any) -> None:
+        """Run the generation in a task of its own, so an abort (or the engine's
+        death) ends it and this handler still answers."""
+        rid = body.get("rid") if isinstance(body, dict) else None
+        work = asyncio.ensure_future(self._generation(request, responder, route, body))
+        entry = Inflight(str(rid) if rid is not None else uuid.uuid4().hex, work)
+        self._inflight.add(entry)
+        try:
+            await work
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # this handler itself is cancelled: the client went away
+            if entry.aborted:
+                await answer_aborted(responder, entry.rid)
+            elif entry.dead:
+                if responder.started:
+                    responder.drop()
+                else:
+                    await send_error(responder, 500, DEAD_MESSAGE, "EngineDeadError")
+            else:
+                raise
+        finally:
+            self._inflight.discard(entry)
+            if not work.done():
+                work.cancel()
+
+    async def _generation(self, request: ClientRequest, responder: Responder, route: str,
                           body: Any) -> None:
         faults = self.faults
         if faults.hang:
@@ -212,163 +272,106 @@ class DemoBackend:
         if faults.delay:
             await asyncio.sleep(faults.delay)
         if faults.status is not None:
-            await self._error(responder, faults.status, "injected failure", "InternalServerError")
+            await send_error(responder, faults.status, "injected failure", "InternalServerError")
+            return
+        if self.dead:
+            await send_error(responder, 500, DEAD_MESSAGE, "EngineDeadError")
             return
         if not isinstance(body, dict):
-            await self._error(responder, 400, "body must be a JSON object", "BadRequestError")
+            await send_error(responder, 400, "body must be a JSON object", "BadRequestError")
             return
-        if path.endswith("/embeddings"):
+        if route == EMBEDDINGS:
             await responder.send_json(200, {"object": "list", "model": body.get("model", MODEL),
                                             "data": [{"object": "embedding", "index": 0,
                                                       "embedding": [0.1, 0.2, 0.3]}]})
             return
-        problem = _validate(body)
-        if problem:
-            await self._error(responder, 400, problem, "BadRequestError")
+        if route == GENERATE and not self.scale_out:
+            await send_error(responder, 403, "the generate API needs --enable-scale-out",
+                              "ForbiddenError")
             return
-        await self._generate(request, responder, body)
+        try:
+            parsed = parse(route, body)
+            self._check_model(body, parsed)
+            result = await self._run(request, parsed, body)
+        except Problem as problem:
+            await send_error(responder, problem.status, problem.message, problem.kind,
+                              problem.param, route)
+            return
+        except EngineDead:
+            await send_error(responder, 500, DEAD_MESSAGE, "EngineDeadError")
+            return
+        await self._send(responder, result)
 
-    async def _get(self, path: str, responder: Responder) -> None:
-        if path == "/health":
-            await responder.send_bytes(200, b"", [])
-        elif path == "/version":
-            await responder.send_json(200, {"version": "0.0.0-demo"})
-        elif path.endswith("/models"):
-            await responder.send_json(200, {"object": "list", "data": [{
-                "id": MODEL, "object": "model", "created": 0, "owned_by": "lowproxy-demo",
-                "root": MODEL, "parent": None, "max_model_len": 4096}]})
-        else:
-            await responder.send_json(404, {"detail": "Not Found"})
+    def _check_model(self, body: dict[str, Any], parsed: Parsed) -> None:
+        model = body.get("model")
+        if model is not None and model not in self.served_model_names and not self.any_model:
+            raise Problem(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
+        parsed.model = model or self.served_model_names[0]
+        previous = body.get("previous_response_id")
+        if parsed.route == RESPONSES and previous and previous not in self.stored_responses:
+            # A prefill server does not hold the decode server's conversations.
+            raise Problem(404, f"Response with id '{previous}' not found.",
+                          "previous_response_id", "invalid_request_error")
 
-    async def _error(self, responder: Responder, status: int, message: str, kind: str) -> None:
-        await responder.send_json(status, {"error": {"message": message, "type": kind,
-                                                     "param": None, "code": status}})
-
-    async def _generate(self, request: ClientRequest, responder: Responder,
-                        body: dict[str, Any]) -> None:
+    async def _run(self, request: ClientRequest, parsed: Parsed, body: dict[str, Any]) -> Result:
+        """Compute (or pull) the prompt, generate, and account for the KV."""
         kv = body.get("kv_transfer_params")
         kv = kv if isinstance(kv, dict) else {}
-        room = body.get("bootstrap_room")
         rank = (request.header(b"x-data-parallel-rank") or b"0").decode()
-        engine_id = self.engine_ids.get(rank)
         request_id = (request.header(b"x-request-id") or uuid.uuid4().hex.encode()).decode(
             "latin-1")
+        given = kv.get("prompt_token_ids")
+        if isinstance(given, list) and all(isinstance(t, int) for t in given) and given:
+            parsed.prompts[0] = list(given)  # tokenize once (vllm#48145): no tokenizer run
+            self.tokenization_skipped += 1
+        check_length(parsed, self.max_model_len)
+        if self.stream_chunks and parsed.stream:
+            parsed.sampling.cap = self.stream_chunks
+        cached = self.prefix_cache.lookup(parsed.prompts[0])
+        eos_first = self.eos_first > 0 and self._rng.random() < self.eos_first
+        outputs = [[generate(parsed.sampling, eos_first) for _ in range(parsed.sampling.n)]
+                   for _ in parsed.prompts]
         answer_kv: Any = None
         if kv.get("do_remote_decode"):  # a prefill leg (relay or mooncake)
+            engine_id = self.engine_ids.get(rank)
             if engine_id is None:
-                await self._error(responder, 400, f"no data parallel rank {rank}",
-                                  "BadRequestError")
-                return
-            transfer_id = kv.get("transfer_id")
-            if transfer_id:  # vLLM 0.16+ Mooncake: prefill answers nothing useful
-                self.registry.computed(str(transfer_id), engine_id)
-            elif self.faults.kv_params == "default":
-                remote_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
-                self.registry.computed(remote_id, engine_id)
-                answer_kv = {"do_remote_prefill": True, "do_remote_decode": False,
-                             "remote_block_ids": [1, 2, 3], "remote_engine_id": engine_id,
-                             "remote_request_id": remote_id, "remote_host": "127.0.0.1",
-                             "remote_port": 5600, "tp_size": 1}
-            else:
-                answer_kv = self.faults.kv_params
+                raise Problem(400, f"no data parallel rank {rank}")
+            answer_kv = prefill_kv(self, parsed, kv, engine_id, request_id, outputs[0][0],
+                                   cached)
         elif kv.get("do_remote_prefill"):  # a decode leg that pulls KV
-            problem = await self._pull_kv(kv)
-            if problem:
-                await self._error(responder, 500, problem, "InternalServerError")
-                return
-        elif room is not None and body.get("bootstrap_host"):
-            if self.role == "prefill":
-                self.registry.computed(f"room-{room}", self.name)
-            else:
-                try:
-                    await self.registry.wait(f"room-{room}", self.kv_wait_timeout)
-                except asyncio.TimeoutError:
-                    await self._error(responder, 500, "KV transfer timed out",
-                                      "InternalServerError")
-                    return
-        await self._answer(request, responder, body, request_id, answer_kv)
+            cached = await pull_kv(self, parsed, kv, request_id)
+        elif body.get("bootstrap_room") is not None and body.get("bootstrap_host"):
+            await sglang_kv(self, body)
+        for prompt in parsed.prompts:
+            self.prefix_cache.insert(prompt)
+        store = parsed.route == RESPONSES and body.get("store", True) is not False
+        return Result(parsed, request_id, parsed.model, int(time.time()), outputs, cached,
+                      self.prompt_tokens_details, answer_kv,
+                      bool(body.get("return_token_ids")), store, body)
 
-    async def _pull_kv(self, kv: dict[str, Any]) -> str | None:
-        """What a decode server does with kv_transfer_params; a problem or None."""
-        if "transfer_id" in kv:  # Mooncake 0.16+
-            missing = [key for key in ("transfer_id", "remote_engine_id",
-                                       "remote_bootstrap_addr") if not kv.get(key)]
-            if missing:  # vLLM waits for KV that never comes
-                await asyncio.sleep(self.kv_wait_timeout or 3600)
-                return f"KV transfer never arrived (missing {', '.join(missing)})"
-            try:
-                engine = await self.registry.wait(str(kv["transfer_id"]), self.kv_wait_timeout)
-            except asyncio.TimeoutError:
-                return "KV transfer timed out"
-            if engine != kv["remote_engine_id"]:
-                return f"KV for {kv['transfer_id']} is on engine {engine}, not " \
-                       f"{kv['remote_engine_id']}"
-            return None
-        if not kv.get("remote_block_ids"):
-            return "assertion failed: do_remote_prefill without remote_block_ids"
-        remote_id = str(kv.get("remote_request_id"))
-        if not self.registry.take(remote_id):
-            return f"no prefilled KV for request {remote_id}"
-        return None
-
-    async def _answer(self, request: ClientRequest, responder: Responder, body: dict[str, Any],
-                      request_id: str, answer_kv: Any) -> None:
-        chat = request.path.endswith("/chat/completions")
-        limit = body.get("max_completion_tokens") or body.get("max_tokens") or 16
-        tokens = int(limit) if isinstance(limit, int) and limit > 0 else 16
-        model = body.get("model") or MODEL
-        created = int(time.time())
-        prefix = "chatcmpl-" if chat else "cmpl-"
-        response_id = prefix + request_id
-        if not body.get("stream"):
-            text = "".join(f"tok{i} " for i in range(tokens))
-            choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant",
-                                                               "content": text},
-                                       "finish_reason": "length"} if chat else
-                                      {"index": 0, "text": text, "finish_reason": "length",
-                                       "logprobs": None})
-            answer = {"id": response_id, "object": "chat.completion" if chat else
-                      "text_completion", "created": created, "model": model,
-                      "choices": [choice],
-                      "usage": {"prompt_tokens": 5, "completion_tokens": tokens,
-                                "total_tokens": 5 + tokens},
-                      "kv_transfer_params": answer_kv}
-            await responder.send_bytes(200, json_body(answer),
+    async def _send(self, responder: Responder, result: Result) -> None:
+        if result.store:  # vLLM keeps a stored response (for ever, without eviction)
+            self.stored_responses["resp_" + result.request_id] = responses_object(result, True)
+        if not result.parsed.stream:
+            await responder.send_bytes(200, json_body(answer(result)),
                                        [(b"content-type", b"application/json"),
                                         *self.faults.extra_headers])
             return
-        count = self.stream_chunks or tokens
+        events = stream(result)
         await responder.start(200, [(b"content-type", b"text/event-stream; charset=utf-8"),
                                     *self.faults.extra_headers])
         self.open_streams += 1
         finished = False
         try:
-            for i in range(count):
+            if events.head:
+                await responder.write(b"".join(events.head))
+            for i, step in enumerate(events.steps):
                 if self.faults.die_after_chunks is not None and i >= self.faults.die_after_chunks:
                     raise AbortResponse()  # the connection closes without the last chunk
-                if chat:
-                    delta: dict[str, Any] = {"content": f"tok{i} "}
-                    if i == 0:
-                        delta["role"] = "assistant"
-                    choice = {"index": 0, "delta": delta, "logprobs": None,
-                              "finish_reason": "length" if i == count - 1 else None}
-                else:
-                    choice = {"index": 0, "text": f"tok{i} ", "logprobs": None,
-                              "finish_reason": "length" if i == count - 1 else None}
-                chunk = {"id": response_id, "object": "chat.completion.chunk" if chat else
-                         "text_completion", "created": created, "model": model,
-                         "choices": [choice]}
-                await responder.write(b"data: " + json_body(chunk) + b"\n\n")
+                await responder.write(step)
                 if self.chunk_delay:
                     await asyncio.sleep(self.chunk_delay)
-            options = body.get("stream_options")
-            if isinstance(options, dict) and options.get("include_usage"):
-                usage = {"id": response_id, "object": "chat.completion.chunk" if chat else
-                         "text_completion", "created": created, "model": model, "choices": [],
-                         "usage": {"prompt_tokens": 5, "completion_tokens": count,
-                                   "total_tokens": 5 + count}}
-                await responder.write(b"data: " + json_body(usage) + b"\n\n")
-            await responder.write(b"data: [DONE]\n\n")
+            await responder.write(b"".join(events.tail()))
             await responder.end()
             finished = True
         finally:
@@ -377,55 +380,25 @@ class DemoBackend:
                 self.aborted_streams += 1
 
 
-def _validate(body: dict[str, Any]) -> str | None:
-    """The vLLM request checks a badly shaped prefill leg trips over."""
-    if body.get("stream_options") is not None and not body.get("stream"):
-        return "Stream options can only be defined when stream=True."
-    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
-    for key in ("min_tokens", "min_completion_tokens"):
-        low = body.get(key)
-        if isinstance(low, int) and isinstance(max_tokens, int) and low > max_tokens:
-            return f"{key} must be less than or equal to max_tokens={max_tokens}, got {low}."
-    if "messages" not in body and "prompt" not in body:
-        return "either prompt or messages is required"
-    return None
-
-
 async def start_pair(host: str = "127.0.0.1", *, ranks: int = 1, stream_chunks: int | None = None,
                      chunk_delay: float = 0.0, record: bool = True,
-                     ports: tuple[int, int] = (0, 0)) -> tuple[DemoBackend, DemoBackend]:
+                     ports: tuple[int, int] = (0, 0), bootstrap_port: int = 0,
+                     **knobs: Any) -> tuple[DemoBackend, DemoBackend]:
     """A prefill and a decode backend sharing one KV registry."""
     registry = KvRegistry()
-    prefill = DemoBackend("prefill", ranks=ranks, registry=registry, record=record)
+    prefill = DemoBackend("prefill", ranks=ranks, registry=registry, record=record, **knobs)
     decode = DemoBackend("decode", registry=registry, stream_chunks=stream_chunks,
-                         chunk_delay=chunk_delay, record=record)
-    await prefill.start(host, ports[0], bootstrap_port=0)
+                         chunk_delay=chunk_delay, record=record, **knobs)
+    await prefill.start(host, ports[0], bootstrap_port=bootstrap_port)
     await decode.start(host, ports[1], bootstrap_port=None)
     return prefill, decode
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m lowproxy.demo``: a prefill and a decode emulator, for benchmarks."""
-    parser = argparse.ArgumentParser(prog="python -m lowproxy.demo")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--prefill-port", type=int, default=0)
-    parser.add_argument("--decode-port", type=int, default=0)
-    parser.add_argument("--stream-chunks", type=int, default=None)
-    parser.add_argument("--chunk-delay", type=float, default=0.0)
-    args = parser.parse_args(argv)
+    """``python -m lowproxy.demo``: see demo_cli.py (``--help``)."""
+    from .demo_cli import main as cli_main
 
-    async def run() -> None:
-        prefill, decode = await start_pair(args.host, stream_chunks=args.stream_chunks,
-                                           chunk_delay=args.chunk_delay, record=False,
-                                           ports=(args.prefill_port, args.decode_port))
-        print(json.dumps({"prefill": prefill.url, "decode": decode.url,
-                          "bootstrap_port": prefill.bootstrap_port}), flush=True)
-        await asyncio.Event().wait()
-
-    try:
-        asyncio.run(run())
-    except KeyboardInterrupt:
-        pass
+    cli_main(argv)
 
 
 if __name__ == "__main__":
