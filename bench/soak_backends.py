@@ -21,8 +21,8 @@ from typing import Any
 
 import h11
 
-from lowproxy.demo import DemoBackend, KvRegistry
 from lowproxy.answers import json_body
+from lowproxy.demo import DemoBackend, KvRegistry
 from lowproxy.messages import AbortResponse
 
 # A whole second response, as a backend that owes one answer might write two.

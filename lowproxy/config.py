@@ -151,7 +151,7 @@ SETTINGS: tuple[Setting, ...] = (
         "connections, not requests)",
     ),
     Setting(
-        "upstream_idle", "PD_PROXY_UPSTREAM_IDLE_SECONDS", "--upstream-idle", seconds_value, "15",
+        "upstream_idle", "PD_PROXY_UPSTREAM_IDLE_SECONDS", "--upstream-idle", seconds_value, "4",
         "how long an idle pooled connection is kept",
     ),
     Setting(
@@ -220,7 +220,7 @@ class Config:
     upstream_keepalive: bool = True
     upstream_max_requests: int = 1000
     upstream_max_age: float = 30.0
-    upstream_idle: float = 15.0
+    upstream_idle: float = 4.0
     max_header_bytes: int = 64 * 1024
     max_body_bytes: int = 32 * 1024 * 1024
     header_timeout: float = 30.0

@@ -27,16 +27,32 @@ import time
 import uuid
 from typing import Any, Sequence
 
+from .answers import json_body
 from .demo_answers import Result, answer, responses_object, stream
-from .demo_engine import (EMBEDDINGS, GENERATE, RESPONSES, Parsed, Problem,
-                          check_length, generate, parse, route_of)
+from .demo_engine import (
+    EMBEDDINGS,
+    GENERATE,
+    RESPONSES,
+    Parsed,
+    Problem,
+    check_length,
+    generate,
+    parse,
+    route_of,
+)
 from .demo_handshake import NIXL, EngineDead, prefill_kv, pull_kv, sglang_kv
 from .demo_kv import KvRegistry, PrefixCache
-from .demo_wire import (DEAD_MESSAGE, Faults, Inflight, Received, answer_aborted, send_error,
-                        serve_kv)
-from .answers import json_body
+from .demo_wire import (
+    DEAD_MESSAGE,
+    Faults,
+    Inflight,
+    Received,
+    answer_aborted,
+    send_error,
+    serve_kv,
+)
 from .messages import AbortResponse, ClientRequest
-from .responder import Responder
+from .messages import ResponseWriter as Responder
 from .server import HttpServer
 
 __all__ = ["DemoBackend", "Faults", "KvRegistry", "MODEL", "Received", "main", "start_pair"]
@@ -108,7 +124,7 @@ class DemoBackend:
     # -- life cycle
 
     async def start(self, host: str = "127.0.0.1", port: int = 0,
-                    bootstrap_port: int | None = 0) -> "DemoBackend":
+                    bootstrap_port: int | None = 0) -> DemoBackend:
         await self.server.listen(host, port)
         self.port = self.server.ports[0]
         if bootstrap_port is not None:
@@ -248,7 +264,9 @@ class DemoBackend:
             await work
         except asyncio.CancelledError:
             task = asyncio.current_task()
-            if task is not None and task.cancelling():
+            # Task.cancelling() is 3.11+; on 3.10 any cancellation ends the handler.
+            cancelling = getattr(task, "cancelling", None)
+            if task is not None and (cancelling is None or cancelling()):
                 raise  # this handler itself is cancelled: the client went away
             if entry.aborted:
                 await answer_aborted(responder, entry.rid)
@@ -394,12 +412,9 @@ async def start_pair(host: str = "127.0.0.1", *, ranks: int = 1, stream_chunks: 
     return prefill, decode
 
 
-def main(argv: list[str] | None = None) -> None:
-    """``python -m lowproxy.demo``: see demo_cli.py (``--help``)."""
-    from .demo_cli import main as cli_main
-
-    cli_main(argv)
-
-
 if __name__ == "__main__":
+    # ``python -m lowproxy.demo`` runs this file as __main__: the command line
+    # lives in demo_cli.py, which imports this module (as lowproxy.demo).
+    from lowproxy.demo_cli import main
+
     main()

@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
-from .demo_engine import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Output, Parsed
 from .answers import json_body
+from .demo_engine import CHAT, COMPLETIONS, MESSAGES, RESPONSES, Output, Parsed
 
 
 @dataclass
@@ -167,7 +167,8 @@ def responses_usage(result: Result) -> dict[str, Any]:
 
 
 def _message_item(result: Result, text: str, done: bool) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": None}]
+    content: list[dict[str, Any]] = [
+        {"type": "output_text", "text": text, "annotations": [], "logprobs": None}]
     return {"id": "msg_" + result.request_id, "type": "message", "role": "assistant",
             "status": "completed" if done else "in_progress",
             "content": content if done else []}

@@ -16,8 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .demo_kv import (EOS_TOKEN_ID, OUTPUT_TOKEN_BASE, prompt_ids, render_messages,
-                      tokenize)
+from .demo_kv import EOS_TOKEN_ID, OUTPUT_TOKEN_BASE, prompt_ids, render_messages, tokenize
 
 NATURAL_TOKENS = 16
 

@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .demo_engine import Output, Parsed, Problem
 from .demo_kv import remote_kv
 
-if TYPE_CHECKING:
-    from .demo import DemoBackend
+# The functions below read and change one demo.DemoBackend's state; typed Any
+# so that this module stays below demo.py (which imports it).
+DemoBackend = Any
 
 NIXL, MOONCAKE_LEGACY = "nixl", "mooncake-0.13"
 MOONCAKE_KEYS = ("transfer_id", "remote_engine_id", "remote_bootstrap_addr")
@@ -37,7 +38,7 @@ class EngineDead(Exception):
     """The engine core is gone (vLLM's EngineDeadError)."""
 
 
-async def wait_kv(backend: "DemoBackend", key: str, address: str | None,
+async def wait_kv(backend: DemoBackend, key: str, address: str | None,
                   timeout: float | None) -> str:
     """The engine id that computed ``key``, once it is there (the pull)."""
     if not backend.remote_kv or not address:
@@ -53,7 +54,7 @@ async def wait_kv(backend: "DemoBackend", key: str, address: str | None,
         await asyncio.sleep(0.02)
 
 
-async def take_kv(backend: "DemoBackend", key: str, address: str | None) -> bool:
+async def take_kv(backend: DemoBackend, key: str, address: str | None) -> bool:
     if backend.registry.take(key):
         return True
     if backend.remote_kv and address:
@@ -68,7 +69,7 @@ def _addr(host: Any, port: Any) -> str | None:
 # -- the prefill leg
 
 
-def prefill_kv(backend: "DemoBackend", parsed: Parsed, kv: dict[str, Any], engine_id: str,
+def prefill_kv(backend: DemoBackend, parsed: Parsed, kv: dict[str, Any], engine_id: str,
                request_id: str, first: Output, cached: int) -> Any:
     """Keep (or free) the prefill's KV; the kv_transfer_params its answer carries."""
     backend.kv_copies.append(parsed.sampling.n * len(parsed.prompts))
@@ -118,7 +119,7 @@ def _no_blocks(blocks: list[Any]) -> bool:
     return all(isinstance(g, list) and not g for g in blocks)  # [] and [[]]
 
 
-async def pull_kv(backend: "DemoBackend", parsed: Parsed, kv: dict[str, Any],
+async def pull_kv(backend: DemoBackend, parsed: Parsed, kv: dict[str, Any],
                   request_id: str) -> int:
     """Pull prompt 0's KV as a decode does; how many prompt tokens count as cached.
 
@@ -148,7 +149,7 @@ async def pull_kv(backend: "DemoBackend", parsed: Parsed, kv: dict[str, Any],
     return len(prompt)  # the pulled prompt counts as cached
 
 
-async def _pull_mooncake(backend: "DemoBackend", kv: dict[str, Any]) -> None:
+async def _pull_mooncake(backend: DemoBackend, kv: dict[str, Any]) -> None:
     missing = [key for key in MOONCAKE_KEYS if not kv.get(key)]
     if missing:  # vLLM waits for KV that never comes: no pull starts, no timer runs
         backend.stuck_pulls += 1
@@ -163,7 +164,7 @@ async def _pull_mooncake(backend: "DemoBackend", kv: dict[str, Any]) -> None:
                       f"{kv['remote_engine_id']}", None, "InternalServerError")
 
 
-async def _pull_nixl(backend: "DemoBackend", kv: dict[str, Any]) -> str:
+async def _pull_nixl(backend: DemoBackend, kv: dict[str, Any]) -> str:
     blocks = kv.get("remote_block_ids")
     if blocks is None:
         # NIXL's scheduler asserts: the engine core dies with every request on it.
@@ -186,7 +187,7 @@ async def _pull_nixl(backend: "DemoBackend", kv: dict[str, Any]) -> str:
 # -- SGLang
 
 
-async def sglang_kv(backend: "DemoBackend", body: dict[str, Any]) -> None:
+async def sglang_kv(backend: DemoBackend, body: dict[str, Any]) -> None:
     """SGLang PD: the prefill marks its room computed, the decode waits for it."""
     room = body.get("bootstrap_room")
     if backend.role == "prefill":

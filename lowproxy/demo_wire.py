@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs
 
+from .answers import json_body
 from .demo_engine import MESSAGES
 from .demo_kv import KvRegistry
-from .answers import json_body
 from .messages import ClientRequest
-from .responder import Responder
+from .messages import ResponseWriter as Responder
 
 DEAD_MESSAGE = "EngineCore encountered an issue. See stack trace (above) for the root cause."
 
@@ -51,7 +51,7 @@ class Inflight:
     """A generation request being served, so an abort or the engine's death can end it."""
 
     rid: str
-    task: "asyncio.Future[None]"
+    task: asyncio.Future[None]
     aborted: bool = False
     dead: bool = False
 

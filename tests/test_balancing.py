@@ -10,8 +10,8 @@ import time
 
 import pytest
 import trustme
-from helpers import chat, config_for, running_proxy, wait_until
 
+from helpers import chat, config_for, running_proxy, wait_until
 from lowproxy import backends
 from lowproxy.demo import DemoBackend, KvRegistry
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+
 from helpers import ROOT
 
 BENCH = os.path.join(ROOT, "bench")

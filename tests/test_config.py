@@ -7,8 +7,8 @@ as a child process for what only the process shows (exit status 2, one line).
 from __future__ import annotations
 
 import pytest
-from helpers import Daemon, free_port, request
 
+from helpers import Daemon, free_port, request
 from lowproxy.config import Config, ConfigError, load_config, parse_endpoint
 
 

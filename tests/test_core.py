@@ -11,6 +11,7 @@ import json
 
 import h11
 import pytest
+
 from helpers import (
     ScriptedBackend,
     chat,
@@ -20,7 +21,6 @@ from helpers import (
     pd_setup,
     running_proxy,
 )
-
 from lowproxy.demo import DemoBackend
 
 NO_DECODE = {"error": {"message": "no available decode backend", "type": "no_decode_backend"}}

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from helpers import ROOT
 
+from helpers import ROOT
 from lowproxy.config import SETTINGS, load_config, parse_endpoint
 from lowproxy.pack import DEFAULT_OUTPUT
 from lowproxy.routes import HEALTH_PATHS

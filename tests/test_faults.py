@@ -14,8 +14,8 @@ import logging
 
 import openai
 import pytest
-from helpers import ScriptedBackend, chat, config_for, pd_setup, running_proxy, wait_until
 
+from helpers import ScriptedBackend, chat, config_for, pd_setup, running_proxy, wait_until
 from lowproxy.messages import AbortResponse
 
 CHAT = "/v1/chat/completions"

@@ -13,9 +13,10 @@ import re
 import socket
 
 import pytest
-from helpers import Daemon, follow_output
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+
+from helpers import Daemon, follow_output
 
 STATUS_LINE = re.compile(rb"HTTP/1\.[01] (\d{3}) ")
 

@@ -10,8 +10,11 @@ import pytest
 
 from helpers import ScriptedBackend, chat, config_for, pd_setup, running_proxy
 from lowproxy.headers import (
-    FORWARDED_REQUEST_HEADERS, client_response_head, connection_tokens,
-    forwarded_request_headers, relayed_response_headers,
+    FORWARDED_REQUEST_HEADERS,
+    client_response_head,
+    connection_tokens,
+    forwarded_request_headers,
+    relayed_response_headers,
 )
 
 ALLOWED = [

@@ -17,6 +17,7 @@ import os
 import random
 
 import pytest
+
 from helpers import chat, pd_setup, raw_exchange, wait_until
 
 CHAT = "/v1/chat/completions"

@@ -13,8 +13,8 @@ import json
 import logging
 
 import pytest
-from helpers import chat, config_for, free_port, pd_setup, running_proxy
 
+from helpers import chat, config_for, free_port, pd_setup, running_proxy
 from lowproxy.demo import DemoBackend
 from lowproxy.handshakes.legs import (
     BodyError,

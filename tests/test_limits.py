@@ -16,6 +16,7 @@ import resource
 import socket
 
 import pytest
+
 from helpers import (
     ScriptedBackend,
     chat,
@@ -26,7 +27,6 @@ from helpers import (
     running_proxy,
     wait_until,
 )
-
 from lowproxy.config import Config, load_config
 from lowproxy.netstream import READ_HIGH_WATER, _StreamProtocol
 

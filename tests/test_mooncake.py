@@ -13,7 +13,6 @@ import json
 import re
 
 from helpers import Daemon, chat, config_for, pd_setup, request, running_proxy, wait_until
-
 from lowproxy.demo import DemoBackend, KvRegistry, start_pair
 from lowproxy.handshakes import bootstrap
 

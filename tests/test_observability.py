@@ -6,13 +6,13 @@ import asyncio
 import json
 import signal
 
-from helpers import Daemon, chat, config_for, free_port, pd_setup, request, running_proxy
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client.parser import text_string_to_metric_families
 
+from helpers import Daemon, chat, config_for, free_port, pd_setup, request, running_proxy
 from lowproxy.demo import start_pair
 
 TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"

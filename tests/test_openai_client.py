@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import openai
 import pytest
+
 from helpers import config_for, free_port, pd_setup, running_proxy
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 
 from helpers import chat, config_for, running_proxy
-
 from lowproxy.demo import DemoBackend, KvRegistry
 
 CHAT = "/v1/chat/completions"

@@ -10,7 +10,6 @@ import asyncio
 import json
 
 from helpers import chat, config_for, pd_setup, running_proxy, wait_until
-
 from lowproxy.demo import DemoBackend, KvRegistry, start_pair
 
 CHAT = "/v1/chat/completions"

@@ -15,7 +15,6 @@ import json
 import signal
 
 from helpers import Daemon, chat, exchange, follow_output, free_port, request
-
 from lowproxy.demo import start_pair
 
 CHAT = "/v1/chat/completions"

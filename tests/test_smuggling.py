@@ -13,6 +13,7 @@ import asyncio
 import json
 
 import pytest
+
 from helpers import chat, parse_replies, pd_setup, raw_exchange
 
 HIDDEN = b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"

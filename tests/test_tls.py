@@ -12,8 +12,8 @@ import ssl
 
 import pytest
 import trustme
-from helpers import Daemon, chat, config_for, running_proxy
 
+from helpers import Daemon, chat, config_for, running_proxy
 from lowproxy.demo import DemoBackend, KvRegistry
 from lowproxy.proxy import Proxy
 from lowproxy.tls import TrustUnavailable

@@ -61,7 +61,7 @@ class RawBackend:
 
 def split_at(data: bytes, *offsets: int) -> list[bytes]:
     bounds = [0, *offsets, len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False) if b > a]
 
 
 BLANK = len(HEAD) - 4  # where the blank line's "\r\n\r\n" starts

@@ -22,8 +22,8 @@ from typing import Any
 
 import httpcore
 import pytest
-from helpers import chat, config_for, running_proxy, wait_until
 
+from helpers import chat, config_for, running_proxy, wait_until
 from lowproxy.config import Config, parse_endpoint
 from lowproxy.netstream import AsyncioBackend
 from lowproxy.tls import TrustStore

@@ -7,7 +7,6 @@ import os
 import signal
 
 from helpers import Daemon, chat, request
-
 from lowproxy.demo import DemoBackend, start_pair
 from lowproxy.server import HttpServer
 
