@@ -18,19 +18,12 @@ from typing import Iterable
 
 from . import answers, logs
 from .backends import BackendGroup, PrefillChooser, PrefillTargetAllowList, TargetRefused
+from .client_body import BodyError, parse_client_body, wants_stream, without_client_kv
 from .config import Config
 from .dispatch import Dispatcher
 from .exchange import Exchange
 from .handshakes.bootstrap import BootstrapCache
-from .handshakes.legs import (
-    BodyError,
-    Plan,
-    decode_only_plan,
-    parse_client_body,
-    serialise,
-    wants_stream,
-    without_client_kv,
-)
+from .handshakes.legs import Plan, decode_only_plan, serialise
 from .handshakes.planner import plan_generation
 from .headers import forwarded_request_headers
 from .messages import ClientRequest, ResponseWriter

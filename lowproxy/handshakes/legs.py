@@ -21,39 +21,9 @@ KV = "kv_transfer_params"
 _PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
-class BodyError(ValueError):
-    """The client's body is not a usable JSON object; the message is the client's answer."""
-
-
-def parse_client_body(raw: bytes) -> Body:
-    """Parse the client's body once. An empty body counts as {} (as in the GCO proxy)."""
-    if not raw:
-        return {}
-    try:
-        decoded = json.loads(raw)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        raise BodyError("invalid JSON body") from None
-    if not isinstance(decoded, dict):
-        raise BodyError("JSON body must be an object")
-    return decoded
-
-
 def serialise(body: Body) -> bytes:
     # ensure_ascii keeps lone surrogates from a client's "\ud800" escapes encodable.
     return json.dumps(body, separators=(",", ":")).encode()
-
-
-def without_client_kv(body: Body) -> Body:
-    """The client's body minus any kv_transfer_params it sent.
-
-    A client-set remote_bootstrap_addr or remote_host would make the decode
-    server connect wherever the client likes, so what the client sent never
-    reaches either leg.
-    """
-    if KV in body:
-        body = dict(body)
-        del body[KV]
-    return body
 
 
 def primed_prefill_body(body: Body, kv_transfer_params: Body | None) -> Body:
@@ -124,9 +94,6 @@ def sglang_body(body: Body, bootstrap_host: str, bootstrap_port: int, room: int)
     return shaped
 
 
-def wants_stream(body: Body) -> bool:
-    # Truthiness, as the GCO proxy judged it (vLLM's pydantic also takes 1 for true).
-    return bool(body.get("stream"))
 
 
 def path_only(target: bytes) -> bytes:
