@@ -152,7 +152,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "upstream_idle", "PD_PROXY_UPSTREAM_IDLE_SECONDS", "--upstream-idle", seconds_value, "4",
-        "how long an idle pooled connection is kept",
+        "how long an idle pooled connection is kept (below the 5 s keep-alive of vLLM's server, "
+        "so the proxy, not the backend, ends idle connections)",
     ),
     Setting(
         "max_header_bytes", "PD_PROXY_MAX_HEADER_BYTES", "--max-header-bytes",
