@@ -39,6 +39,12 @@ def invalid_body(message: str) -> bytes:
     return json_body({"error": message})
 
 
+def invalid_request(param: str, message: str) -> bytes:
+    """OpenAI's shape for a request the model server would refuse, naming the field."""
+    return json_body({"error": {"message": message, "type": "invalid_request_error",
+                                "param": param, "code": 400}})
+
+
 def shutting_down() -> bytes:
     return json_body({"error": {"message": "shutting down", "type": "unavailable"}})
 

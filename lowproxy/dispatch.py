@@ -12,7 +12,6 @@ applied in one place, ``_without_kv``.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from typing import Any, Awaitable, Coroutine
@@ -21,6 +20,17 @@ from . import answers, logs
 from .backends import BackendGroup
 from .config import Config
 from .exchange import Exchange
+from .failures import (
+    DecodeFailed,
+    DecodeTimedOut,
+    Failure,
+    NoDecode,
+    PrefillFailed,
+    PrefillRefused,
+    PrefillResult,
+    Truncated,
+    prefill_outcome,
+)
 from .handshakes.bootstrap import BootstrapCache
 from .handshakes.legs import Plan
 from .headers import client_response_head
@@ -34,61 +44,9 @@ log = logging.getLogger("lowproxy.exchange")
 
 # A prefill answer is one token of JSON; anything this large is not one.
 MAX_PREFILL_ANSWER_BYTES = 8 * 1024 * 1024
-
-
-# -- the failure family: what went wrong, before or after the response started
-
-
-class Failure(Exception):
-    """A leg failed; answer_failure() turns it into a metric, a log line and an answer."""
-
-
-class NoDecode(Failure):
-    """No decode endpoint could be reached (all refused, in cooldown, or untrusted)."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
-
-
-class DecodeFailed(Failure):
-    """Decode accepted the connection, then failed before its response head."""
-
-    def __init__(self, error: UpstreamError) -> None:
-        super().__init__(error.detail)
-        self.error = error
-
-
-class DecodeTimedOut(Failure):
-    """PD_PROXY_DECODE_TIMEOUT_SECONDS ran out (before or after the response started)."""
-
-
-class PrefillFailed(Failure):
-    """The prefill leg failed under PD_PROXY_ON_PREFILL_FAILURE=error."""
-
-    def __init__(self, detail: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
-
-
-class Truncated(Failure):
-    """Decode broke off its response after it had started."""
-
-    def __init__(self, detail: str, backend: str) -> None:
-        super().__init__(detail)
-        self.detail = detail
-        self.backend = backend
-
-
-class PrefillResult:
-    __slots__ = ("ok", "outcome", "kv_transfer_params", "detail")
-
-    def __init__(self, ok: bool, outcome: str, kv_transfer_params: Any = None,
-                 detail: str = "") -> None:
-        self.ok = ok
-        self.outcome = outcome  # ok, error, timeout
-        self.kv_transfer_params = kv_transfer_params
-        self.detail = detail
+# SGLang's POST /abort_request: best effort, and never waited on by a client.
+ABORT_TIMEOUT_SECONDS = 2.0
+ABORT_HEADERS = [(b"content-type", b"application/json")]
 
 
 class Dispatcher:
@@ -145,19 +103,23 @@ class Dispatcher:
         """
         try:
             plan = await planning
-            exchange.skip_reason = plan.skip_reason
-            response = await self._decode_response(exchange, plan)
+            if plan.skip_reason is not None:
+                exchange.skip_reason = plan.skip_reason
+                self.metrics.prefill_legs.inc(plan.handshake, "skipped", plan.skip_reason)
+            exchange.abort_rid = plan.abort_rid
+            response = await self._decode_response(exchange, responder, plan)
             del plan
             await self._copy_answer(exchange, responder, response)
         except Failure as failure:
             await self.answer_failure(exchange, responder, failure)
 
-    async def _decode_response(self, exchange: Exchange, plan: Plan) -> UpstreamResponse:
+    async def _decode_response(self, exchange: Exchange, responder: ResponseWriter,
+                               plan: Plan) -> UpstreamResponse:
         """Decode's response head, once any prefill leg has committed."""
         if plan.prefill is not None and plan.prefill_failure is None:
             if plan.concurrent:
-                return await self._concurrent(exchange, plan)
-            return await self._in_turn(exchange, plan)
+                return await self._concurrent(exchange, responder, plan)
+            return await self._in_turn(exchange, responder, plan)
         body = plan.decode_body
         if plan.prefill_failure is not None:
             # The prefill leg could not even be sent (no endpoint, no bootstrap map).
@@ -166,19 +128,23 @@ class Dispatcher:
                       backend=plan.prefill.label if plan.prefill is not None else None,
                       handshake=plan.handshake)
             body = self._without_kv(exchange, plan, plan.prefill_failure)
-        return await self._open_decode_bounded(exchange, plan.method, plan.decode_target, body)
+        return await self._open_decode_bounded(exchange, responder, plan.method,
+                                               plan.decode_target, body)
 
-    async def _in_turn(self, exchange: Exchange, plan: Plan) -> UpstreamResponse:
+    async def _in_turn(self, exchange: Exchange, responder: ResponseWriter,
+                       plan: Plan) -> UpstreamResponse:
         """Relay: prefill answers first; decode's body carries its kv_transfer_params."""
         result = await self._prefill_leg(exchange, plan.prefill, plan.prefill_target,
                                          plan.prefill_body, plan.prefill_headers, want_kv=True)
         if result.ok and plan.decode_body_for is not None:
             body = plan.decode_body_for(result.kv_transfer_params)
         else:
-            body = self._without_kv(exchange, plan, result.detail)
-        return await self._open_decode_bounded(exchange, plan.method, plan.decode_target, body)
+            body = self._without_kv(exchange, plan, result)
+        return await self._open_decode_bounded(exchange, responder, plan.method,
+                                               plan.decode_target, body)
 
-    async def _concurrent(self, exchange: Exchange, plan: Plan) -> UpstreamResponse:
+    async def _concurrent(self, exchange: Exchange, responder: ResponseWriter,
+                          plan: Plan) -> UpstreamResponse:
         """Mooncake and SGLang: both legs at once; decode's response after the commit point.
 
         Decode cannot produce a token before the KV arrives, so holding its
@@ -194,7 +160,8 @@ class Dispatcher:
             exchange, plan.prefill, plan.prefill_target, plan.prefill_body,
             plan.prefill_headers, want_kv=False))
         decode_task = self.loop.create_task(
-            self._open_decode(exchange, plan.method, plan.decode_target, plan.decode_body))
+            self._open_decode(exchange, responder, plan.method, plan.decode_target,
+                              plan.decode_body))
         try:
             async with deadline(self.config.decode_timeout):
                 # Wait for prefill, or for decode to fail first (then answer at once).
@@ -206,21 +173,43 @@ class Dispatcher:
                 if result is None or result.ok:
                     response = await decode_task
                 else:
-                    _drop_decode(decode_task)
-                    body = self._without_kv(exchange, plan, result.detail)
+                    self._drop_decode(exchange, decode_task)
+                    body = self._without_kv(exchange, plan, result)
                     exchange.decode_started = None  # a new decode leg, its own timeout
                     response = await self._open_decode_bounded(
-                        exchange, plan.method, plan.decode_target, body)
+                        exchange, responder, plan.method, plan.decode_target, body)
         except TimeoutError:
-            _drop_decode(decode_task)
+            self._drop_decode(exchange, decode_task)
             raise DecodeTimedOut() from None
         except BaseException:
-            _drop_decode(decode_task)  # the client left, or decode failed: abort at once
+            # The client left, or decode failed: abort decode at once; a prefill
+            # still running is left to finish, unless it can be aborted by rid.
+            self._drop_decode(exchange, decode_task)
+            if not prefill_task.done():
+                self._abort(exchange, plan.prefill, "prefill")
             raise
         return response
 
-    def _without_kv(self, exchange: Exchange, plan: Plan, detail: str) -> bytes:
-        """The prefill-failure policy: decode recomputes the prompt, or the client gets 502."""
+    def _drop_decode(self, exchange: Exchange,
+                     task: asyncio.Task[UpstreamResponse]) -> None:
+        """Close a decode leg that will not be relayed, and abort it by rid (SGLang)."""
+        _drop_decode(task)
+        if exchange.decode_endpoint is not None:
+            self._abort(exchange, exchange.decode_endpoint, "decode")
+
+    def _without_kv(self, exchange: Exchange, plan: Plan,
+                    failed: PrefillResult | str) -> bytes:
+        """The prefill-failure policy: decode recomputes the prompt, or the client gets 502.
+
+        A prefill that refused the request itself (400, 413, 422) is neither:
+        its answer goes to the client, as decode would fail the same way.
+        """
+        if isinstance(failed, PrefillResult):
+            if failed.outcome == "rejected":
+                raise PrefillRefused(failed.status, failed.body)
+            detail = failed.detail
+        else:
+            detail = failed
         if self.config.on_prefill_failure == "error":
             raise PrefillFailed(detail)
         self.metrics.prefill_legs.inc(plan.handshake, "recompute")
@@ -230,16 +219,17 @@ class Dispatcher:
 
     # -- decode
 
-    async def _open_decode_bounded(self, exchange: Exchange, method: bytes, target: bytes,
+    async def _open_decode_bounded(self, exchange: Exchange, responder: ResponseWriter,
+                                   method: bytes, target: bytes,
                                    body: bytes | None) -> UpstreamResponse:
         try:
             async with self._decode_deadline(exchange):
-                return await self._open_decode(exchange, method, target, body)
+                return await self._open_decode(exchange, responder, method, target, body)
         except TimeoutError:
             raise DecodeTimedOut() from None
 
-    async def _open_decode(self, exchange: Exchange, method: bytes, target: bytes,
-                           body: bytes | None) -> UpstreamResponse:
+    async def _open_decode(self, exchange: Exchange, responder: ResponseWriter, method: bytes,
+                           target: bytes, body: bytes | None) -> UpstreamResponse:
         """Send the decode leg; return once decode's response head has arrived.
 
         Endpoints that refuse the connection are cooled down and the next one is
@@ -255,9 +245,12 @@ class Dispatcher:
                 endpoint = self.decode.soonest_usable()  # all cooling down: try one anyway
             if endpoint is None:
                 raise NoDecode(last_error)
+            exchange.decode_endpoint = endpoint
             try:
-                response = await self.upstream.request(endpoint, method, target,
-                                                       exchange.upstream_headers, body)
+                # 1xx (103 Early Hints) go on to the client (RFC 9110 15.2).
+                response = await self.upstream.request(
+                    endpoint, method, target, exchange.upstream_headers, body,
+                    on_informational=responder.informational)
             except UpstreamError as exc:
                 if exc.reason == "untrusted":
                     raise NoDecode(exc.detail) from None
@@ -294,6 +287,7 @@ class Dispatcher:
         except (asyncio.CancelledError, ClientGone) as exc:
             if isinstance(exc, ClientGone) or responder.client_gone:
                 self.metrics.decode_legs.inc("client-gone")
+                self._abort(exchange, response.endpoint, "decode")
             raise
         finally:
             await response.aclose()
@@ -355,6 +349,12 @@ class Dispatcher:
             logs.warn(log, f"decode did not finish within {config.decode_timeout:g}s",
                       request_id, backend=exchange.decode_backend)
             status, body = 504, answers.decode_timed_out()
+        elif isinstance(failure, PrefillRefused):
+            logs.warn(log, f"{failure}: its answer is relayed, decode is not asked",
+                      request_id, backend=exchange.prefill_backend)
+            status = failure.status
+            body = failure.body or answers.error_body(status, "prefill refused the request",
+                                                      "invalid_request_error")
         elif isinstance(failure, PrefillFailed):
             # Counted and logged where the prefill leg failed.
             status, body = 502, answers.prefill_failed(failure.detail)
@@ -369,6 +369,35 @@ class Dispatcher:
         if responder.started:
             raise AbortResponse()  # a started response is cut, never completed
         await responder.send_bytes(status, body)
+
+    # -- SGLang aborts: no leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT
+
+    def _abort(self, exchange: Exchange, endpoint: Endpoint, role: str) -> None:
+        """Ask ``endpoint`` to abort this request's leg by its rid (SGLang only)."""
+        rid = exchange.abort_rid
+        if rid is None:
+            return
+        if role == "decode":
+            exchange.decode_endpoint = None  # once per leg
+        self.spawn(self._send_abort(endpoint, rid, role, exchange.request_id))
+
+    async def _send_abort(self, endpoint: Endpoint, rid: str, role: str,
+                          request_id: str) -> None:
+        body = answers.json_body({"rid": rid})
+        try:
+            async with deadline(ABORT_TIMEOUT_SECONDS):
+                response = await self.upstream.request(endpoint, b"POST", b"/abort_request",
+                                                       ABORT_HEADERS, body)
+                try:
+                    await response.read(64 * 1024)
+                finally:
+                    await response.aclose()
+        except (TimeoutError, UpstreamError) as exc:
+            logs.warn(log, f"abort of {role} leg {rid} failed: {exc or 'timed out'}",
+                      request_id, backend=endpoint.label)
+            return
+        log.info("aborted %s leg %s (%d)", role, rid, response.status,
+                 extra={"fields": {"request_id": request_id, "backend": endpoint.label}})
 
     # -- prefill
 
@@ -395,7 +424,7 @@ class Dispatcher:
                     raw = await response.read(MAX_PREFILL_ANSWER_BYTES)
                 finally:
                     await response.aclose()
-            result = _prefill_outcome(response.status, raw, want_kv)
+            result = prefill_outcome(response.status, raw, want_kv)
         except TimeoutError:
             result = PrefillResult(False, "timeout", detail="prefill did not answer within "
                                    f"{self.config.prefill_timeout:g}s")
@@ -416,20 +445,6 @@ class Dispatcher:
             logs.warn(log, f"prefill leg failed ({result.outcome}): {result.detail}",
                       exchange.request_id, backend=endpoint.label, handshake=handshake)
         return result
-
-
-def _prefill_outcome(status: int, raw: bytes, want_kv: bool) -> PrefillResult:
-    """What a prefill answer means for the decode leg."""
-    if not 200 <= status < 300:
-        return PrefillResult(False, "error", detail=f"prefill answered {status}")
-    if not want_kv:
-        return PrefillResult(True, "ok")
-    try:
-        answer = json.loads(raw)
-    except ValueError:
-        answer = None
-    kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-    return PrefillResult(True, "ok", kv)
 
 
 def _drop_decode(task: asyncio.Task[UpstreamResponse]) -> None:

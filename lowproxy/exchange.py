@@ -31,6 +31,8 @@ class Exchange:
     prefill_backend: str | None = None
     wants_stream: bool = False
     skip_reason: str | None = None  # why the prefill leg was skipped, when it was
+    abort_rid: str | None = None  # SGLang: the rid both legs carry, to abort them by
+    decode_endpoint: Any = None  # where the decode leg went (an upstream Endpoint)
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000.0

@@ -140,8 +140,9 @@ class Metrics:
                                 ("route", "status"))
         self.prefill_legs = Counter(
             "lowproxy_prefill_legs_total",
-            "Prefill legs by handshake and outcome (ok, error, timeout, recompute).",
-            ("handshake", "outcome"))
+            "Prefill legs by handshake and outcome (ok, error, timeout, recompute, rejected, "
+            "skipped; skipped ones also by reason).",
+            ("handshake", "outcome", "reason"))
         self.decode_legs = Counter(
             "lowproxy_decode_legs_total",
             "Decode legs by outcome (ok, unreachable, error, timeout, truncated, client-gone).",

@@ -25,6 +25,7 @@ from .exchange import Exchange
 from .handshakes.bootstrap import BootstrapCache
 from .handshakes.legs import Plan, decode_only_plan, serialise
 from .handshakes.planner import plan_generation
+from .handshakes.rules import decode_would_reject
 from .headers import forwarded_request_headers
 from .messages import ClientRequest, ResponseWriter
 from .metrics import Metrics
@@ -174,6 +175,7 @@ class Proxy:
             "bytes_out": responder.bytes_out,
             "backend": exchange.decode_backend,
             "prefill_backend": exchange.prefill_backend,
+            "prefill_skipped": exchange.skip_reason,
             "trace_id": exchange.trace_id,
         })
 
@@ -212,6 +214,11 @@ class Proxy:
             await responder.send_bytes(400, answers.invalid_body(str(exc)))
             return
         request.body = b""  # parsed: a long stream must not keep the raw prompt too
+        rejected = decode_would_reject(body)
+        if rejected is not None:
+            # Decode would reject it after prefill computed a KV nobody reads.
+            await responder.send_bytes(400, answers.invalid_request(*rejected))
+            return
         exchange.wants_stream = wants_stream(body)
         try:
             prefill = self.prefill_choice.choose(request.header(b"x-prefiller-host-port"))

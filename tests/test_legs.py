@@ -211,7 +211,7 @@ def prefill_warnings(caplog):
             if r.levelno == logging.WARNING and "prefill" in r.getMessage()]
 
 
-@pytest.mark.parametrize("status", [400, 500, 503])
+@pytest.mark.parametrize("status", [401, 404, 500, 503])
 async def test_prefill_error_status_is_logged_and_hidden(status, caplog):
     caplog.set_level(logging.WARNING, logger="lowproxy")
     async with pd_setup() as (proxy, prefill, decode):

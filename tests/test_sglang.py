@@ -31,14 +31,16 @@ async def test_same_body_to_both_legs_plus_bootstrap_fields():
             assert reply.status == 200 and reply.complete, reply.body
             assert reply.body.endswith(b"data: [DONE]\n\n")
             [pf], [dc] = legs(prefill, decode)
-            assert pf.body == dc.body  # the same body, room included
+            assert pf.body == dc.body  # the same body, room and rid included
+            assert pf.body["rid"].startswith("lowproxy-")  # the proxy's own, fixed width
             room = pf.body["bootstrap_room"]
             assert isinstance(room, int) and 0 <= room < 2 ** 63
             assert pf.body["bootstrap_host"] == "127.0.0.1"
             assert pf.body["bootstrap_port"] == 8998  # PD_PROXY_SGLANG_BOOTSTRAP_PORT default
             # No token capping, no KV fields, nothing the client sent dropped but its KV params.
             expected = {k: v for k, v in client.items() if k != "kv_transfer_params"}
-            assert {k: v for k, v in pf.body.items() if k not in BOOTSTRAP_FIELDS} == expected
+            assert {k: v for k, v in pf.body.items()
+                    if k not in (*BOOTSTRAP_FIELDS, "rid")} == expected
             assert pf.header("x-data-parallel-rank") is None
             assert pf.header("x-request-id") == dc.header("x-request-id") == b"sg-1"
             assert prefill.bootstrap_queries == 0  # no Mooncake query for SGLang
@@ -100,7 +102,10 @@ async def test_failed_prefill_closes_decode_and_recomputes_without_bootstrap_fie
         assert "bootstrap_room" in first.body
         assert not any(field in second.body for field in BOOTSTRAP_FIELDS)
         assert second.body["max_tokens"] == 4 and second.body["stream"] is True
-        await wait_until(lambda: decode.abandoned == 1, what="decode leg closed")
+        # The held decode leg is closed and aborted by the rid both legs carried.
+        rid = first.body["rid"]
+        assert rid.startswith("lowproxy-") and len(rid) == 41
+        await wait_until(lambda: decode.abort_requests == [rid], what="decode leg aborted")
         assert proxy.proxy.metrics.prefill_legs.get("sglang", "recompute") == 1
 
 
@@ -182,8 +187,12 @@ async def test_client_going_away_aborts_decode():
         await wait_until(lambda: decode.requests_to("/chat/completions")
                          and prefill.requests_to("/chat/completions"), what="both legs sent")
         writer.close()
-        await wait_until(lambda: decode.abandoned == 1, what="decode aborted")
-        metrics = proxy.proxy.metrics
-        await wait_until(lambda: metrics.prefill_legs.get("sglang", "ok") == 1,
-                         what="prefill leg finished")
+        [dc], [pf] = decode.requests_to("/chat/completions"), prefill.requests_to(
+            "/chat/completions")
+        rid = dc.body["rid"]
+        # Issue 12: neither leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT: both
+        # are aborted by the proxy's own rid, and the prefill connection is not cut.
+        await wait_until(lambda: decode.abort_requests == [rid], what="decode aborted")
+        await wait_until(lambda: prefill.abort_requests == [rid], what="prefill aborted")
+        assert pf.body["rid"] == rid
         assert prefill.abandoned == 0

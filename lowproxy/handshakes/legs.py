@@ -10,15 +10,12 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .rules import PREFILL_DROPPED
+
 Body = dict[str, Any]
 Headers = list[tuple[bytes, bytes]]
 
 KV = "kv_transfer_params"
-
-# vLLM rejects these on a max_tokens=1, stream=false request: stream_options
-# without stream ("Stream options can only be defined when stream=True"), and
-# min_tokens > max_tokens. Decode gets them back unchanged.
-_PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens")
 
 
 def serialise(body: Body) -> bytes:
@@ -29,16 +26,23 @@ def serialise(body: Body) -> bytes:
 def primed_prefill_body(body: Body, kv_transfer_params: Body | None) -> Body:
     """The prefill leg of relay and mooncake: one token, not streamed, KV kept.
 
-    ``ignore_eos``: vLLM keeps the prompt's KV for the remote decoder only when
-    the request stops on the length cap; an EOS first token frees it, and decode
-    would wait for KV that never comes. ``max_completion_tokens`` wins over
-    ``max_tokens`` in chat, so it is capped too, when the client sent it.
+    Only what computes the prompt stays: the fields of rules.PREFILL_DROPPED
+    go (each would end the prefill early, be rejected, or be wasted work), and
+    everything that can change the prompt's tokens (messages, prompt, tools,
+    chat template fields, ...) is kept. ``ignore_eos``: vLLM keeps the KV for
+    the remote decoder only when the request stops on the length cap; an EOS
+    first token frees it. ``max_completion_tokens`` wins over ``max_tokens`` in
+    chat, so it is capped too, when the client sent it. ``n`` > 1 would make n
+    engine requests and n KV copies (under Mooncake n children sharing one
+    transfer id): the prefill leg asks for one; decode keeps the client's n.
     """
-    prefill = {k: v for k, v in body.items() if k not in _PREFILL_DROPPED}
+    prefill = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
     prefill["stream"] = False
     prefill["max_tokens"] = 1
     if "max_completion_tokens" in body:
         prefill["max_completion_tokens"] = 1
+    if "n" in body:
+        prefill["n"] = 1
     prefill["ignore_eos"] = True
     if kv_transfer_params is not None:
         prefill[KV] = kv_transfer_params
@@ -85,12 +89,19 @@ def mooncake_bodies(body: Body, transfer_id: str, engine_id: str,
     return prefill, decode
 
 
-def sglang_body(body: Body, bootstrap_host: str, bootstrap_port: int, room: int) -> Body:
-    """SGLang PD: the same body to both legs plus the three bootstrap fields."""
+def sglang_body(body: Body, bootstrap_host: str, bootstrap_port: int, room: int,
+                rid: str | None = None) -> Body:
+    """SGLang PD: the same body to both legs plus the three bootstrap fields.
+
+    ``rid``: the proxy's own request id on both legs (never the client's), so
+    that either leg can be aborted by it (SGLang aborts by rid, prefix match).
+    """
     shaped = dict(body)
     shaped["bootstrap_host"] = bootstrap_host
     shaped["bootstrap_port"] = bootstrap_port
     shaped["bootstrap_room"] = room
+    if rid is not None:
+        shaped["rid"] = rid
     return shaped
 
 
@@ -127,6 +138,7 @@ class Plan:
     decode_body_for: Callable[[Any], bytes] | None = None
     prefill_failure: str | None = None
     skip_reason: str | None = None
+    abort_rid: str | None = None  # SGLang: the rid both legs carry, to abort them by
 
     def fallback_body(self) -> bytes:
         """Decode's body when there is no KV to pull: the client's, as it came."""

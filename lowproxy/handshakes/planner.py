@@ -15,7 +15,8 @@ from typing import Any
 from ..config import Config
 from . import mooncake, relay, sglang
 from .bootstrap import BootstrapCache, BootstrapError
-from .legs import Body, Plan, decode_only_plan, serialise
+from .legs import Body, Plan, decode_only_plan, path_only, serialise
+from .rules import cannot_hand_off
 
 _rooms = random.SystemRandom()
 
@@ -24,18 +25,24 @@ async def plan_generation(config: Config, bootstrap: BootstrapCache, target: byt
                           body: Body, prefill: Any, prefill_configured: bool) -> Plan:
     """The plan for one generation request whose prefill leg would go to ``prefill``."""
     handshake = config.kv_protocol
-    if prefill is None:
-        if prefill_configured:  # dns+ names that resolve to no address
-            return decode_only_plan(b"POST", target, None, handshake, client_body=body,
-                                    prefill_failure="no usable prefill endpoint")
+    if prefill is None and not prefill_configured:
         # No prefill configured: decode computes the prompt itself, no handshake.
         return decode_only_plan(b"POST", target, serialise(body), handshake)
+    skipped = cannot_hand_off(path_only(target).decode("latin-1"), body)
+    if skipped is not None:
+        # Decode gets the client's request unchanged and computes the prompt.
+        return decode_only_plan(b"POST", target, serialise(body), handshake,
+                                skip_reason=skipped)
+    if prefill is None:  # dns+ names that resolve to no address
+        return decode_only_plan(b"POST", target, None, handshake, client_body=body,
+                                prefill_failure="no usable prefill endpoint")
     if handshake == "relay":
         return relay.plan(body, target, prefill)
     if handshake == "sglang":
         port = prefill.spec.bootstrap_port or config.sglang_bootstrap_port
         room = _rooms.getrandbits(63)  # non-negative, fits SGLang's int64 room id
-        return sglang.plan(body, target, prefill, prefill.bootstrap_host, port, room)
+        rid = f"lowproxy-{uuid.uuid4().hex}"  # fixed width: no rid is a prefix of another
+        return sglang.plan(body, target, prefill, prefill.bootstrap_host, port, room, rid)
     try:
         engines = await bootstrap.engines(prefill)
     except BootstrapError as exc:

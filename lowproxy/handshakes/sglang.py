@@ -8,7 +8,9 @@ from .legs import Body, Plan, path_only, serialise, sglang_body
 
 
 def plan(body: Body, target: bytes, prefill: Any, bootstrap_host: str, bootstrap_port: int,
-         room: int) -> Plan:
-    shaped = serialise(sglang_body(body, bootstrap_host, bootstrap_port, room))
+         room: int, rid: str) -> Plan:
+    """Both legs at once, the same body, the same room and the same proxy-made rid."""
+    shaped = serialise(sglang_body(body, bootstrap_host, bootstrap_port, room, rid))
     return Plan("sglang", b"POST", target, shaped, client_body=body, prefill=prefill,
-                prefill_target=path_only(target), prefill_body=shaped, concurrent=True)
+                prefill_target=path_only(target), prefill_body=shaped, concurrent=True,
+                abort_rid=rid)

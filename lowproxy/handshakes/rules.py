@@ -1,0 +1,85 @@
+"""vLLM's rules for a handed-off request, as pure functions of the client's body.
+
+Checked against the vLLM 0.33 source (shared/PROTOCOL.md, "Failure
+semantics"): which fields the prefill leg must not carry, which requests
+decode rejects in its request model (a prefill KV computed for such a request
+is never read and stays pinned: 480 s under Mooncake, 30 s under NIXL), and
+which requests cannot be handed off at all (decode recomputes the prompt, or
+cannot use the transferred KV). No I/O here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+Body = dict[str, Any]
+
+# The fields the prefill leg drops, and why (the README's table is this one).
+PREFILL_DROPPED: dict[str, str] = {
+    "stream_options": "vLLM rejects it without stream, and the prefill leg does not stream",
+    "min_tokens": "a minimum above the one-token cap is rejected",
+    "min_completion_tokens": "a minimum above the one-token cap is rejected",
+    "stop_token_ids": "a listed id (EOS included) ends the prefill as stopped, and Mooncake "
+                      "then frees the KV: decode waits 480 s for it",
+    "stop": "a one-token answer holding a stop string stops the same way",
+    "logprobs": "computed for the one prefill token and thrown away",
+    "top_logprobs": "computed for the one prefill token and thrown away",
+}
+
+# Reasons a request goes to decode alone, as the metric's reason label.
+LIST_PROMPTS = "list-prompts"
+BEAM_SEARCH = "beam-search"
+ECHO = "echo"
+PROMPT_LOGPROBS = "prompt-logprobs"
+
+
+def decode_would_reject(body: Body) -> tuple[str, str] | None:
+    """(param, message) for a request decode rejects in its request model; else None.
+
+    Answered 400 before either leg: prefill would accept it (its leg drops the
+    offending field) and compute a KV that nobody reads and vLLM never frees.
+    """
+    stream = bool(body.get("stream"))  # truthiness, as vLLM's pydantic takes 1 for true
+    if body.get("stream_options") is not None and not stream:
+        return "stream_options", "Stream options can only be defined when stream=True."
+    if body.get("prompt_logprobs") is not None and stream:
+        return "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."
+    min_tokens = body.get("min_tokens")
+    cap = body.get("max_completion_tokens")
+    if cap is None:
+        cap = body.get("max_tokens")
+    if isinstance(min_tokens, int) and isinstance(cap, int) and _is_int(min_tokens) \
+            and _is_int(cap) and min_tokens > cap:
+        return "min_tokens", (f"min_tokens ({min_tokens}) must be less than or equal to "
+                              f"max_tokens ({cap}).")
+    return None
+
+
+def cannot_hand_off(path: str, body: Body) -> str | None:
+    """Why this request must go to decode alone (with no kv_transfer_params); else None."""
+    if path.endswith("/completions") and not path.endswith("/chat/completions") \
+            and _several_prompts(body.get("prompt")):
+        # vLLM answers kv_transfer_params for prompt 0 only and gives every
+        # sub-request the same params (Mooncake: one transfer_id for all).
+        return LIST_PROMPTS
+    if body.get("use_beam_search") is True:
+        return BEAM_SEARCH  # beam search drops kv_transfer_params entirely
+    if body.get("echo") is True:
+        return ECHO  # decode skips prefix-cache reads and recomputes the prompt
+    if body.get("prompt_logprobs") is not None:
+        return PROMPT_LOGPROBS  # likewise
+    return None
+
+
+def _several_prompts(prompt: Any) -> bool:
+    """More than one prompt: a list of strings or of token-id lists, with two or more.
+
+    A list of integers is one prompt, in token ids.
+    """
+    if not isinstance(prompt, list) or len(prompt) < 2:
+        return False
+    return all(isinstance(item, (str, list)) for item in prompt)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
