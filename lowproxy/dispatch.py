@@ -17,6 +17,7 @@ import time
 from typing import Any, Awaitable, Coroutine
 
 from . import answers, logs
+from .auxiliary_legs import drop_decode, send_abort, send_prefill_leg
 from .backends import BackendGroup
 from .config import Config
 from .exchange import Exchange
@@ -29,7 +30,6 @@ from .failures import (
     PrefillRefused,
     PrefillResult,
     Truncated,
-    prefill_outcome,
 )
 from .handshakes.bootstrap import BootstrapCache
 from .handshakes.legs import Plan
@@ -42,11 +42,6 @@ from .upstream import Endpoint, Upstream, UpstreamError, UpstreamResponse
 
 log = logging.getLogger("lowproxy.exchange")
 
-# A prefill answer is one token of JSON; anything this large is not one.
-MAX_PREFILL_ANSWER_BYTES = 8 * 1024 * 1024
-# SGLang's POST /abort_request: best effort, and never waited on by a client.
-ABORT_TIMEOUT_SECONDS = 2.0
-ABORT_HEADERS = [(b"content-type", b"application/json")]
 
 
 class Dispatcher:
@@ -193,7 +188,7 @@ class Dispatcher:
     def _drop_decode(self, exchange: Exchange,
                      task: asyncio.Task[UpstreamResponse]) -> None:
         """Close a decode leg that will not be relayed, and abort it by rid (SGLang)."""
-        _drop_decode(task)
+        drop_decode(task)
         if exchange.decode_endpoint is not None:
             self._abort(exchange, exchange.decode_endpoint, "decode")
 
@@ -383,20 +378,13 @@ class Dispatcher:
 
     async def _send_abort(self, endpoint: Endpoint, rid: str, role: str,
                           request_id: str) -> None:
-        body = answers.json_body({"rid": rid})
         try:
-            async with deadline(ABORT_TIMEOUT_SECONDS):
-                response = await self.upstream.request(endpoint, b"POST", b"/abort_request",
-                                                       ABORT_HEADERS, body)
-                try:
-                    await response.read(64 * 1024)
-                finally:
-                    await response.aclose()
+            status = await send_abort(self.upstream, endpoint, rid)
         except (TimeoutError, UpstreamError) as exc:
             logs.warn(log, f"abort of {role} leg {rid} failed: {exc or 'timed out'}",
                       request_id, backend=endpoint.label)
             return
-        log.info("aborted %s leg %s (%d)", role, rid, response.status,
+        log.info("aborted %s leg %s (%d)", role, rid, status,
                  extra={"fields": {"request_id": request_id, "backend": endpoint.label}})
 
     # -- prefill
@@ -413,26 +401,12 @@ class Dispatcher:
         handshake = exchange.handshake or "relay"
         started = time.perf_counter()
         exchange.prefill_backend = endpoint.label
-        status = None
-        try:
-            async with deadline(self.config.prefill_timeout):
-                response = await self.upstream.request(endpoint, b"POST", target,
-                                                       exchange.upstream_headers, body,
-                                                       extra_headers=extra_headers)
-                status = response.status
-                try:
-                    raw = await response.read(MAX_PREFILL_ANSWER_BYTES)
-                finally:
-                    await response.aclose()
-            result = prefill_outcome(response.status, raw, want_kv)
-        except TimeoutError:
-            result = PrefillResult(False, "timeout", detail="prefill did not answer within "
-                                   f"{self.config.prefill_timeout:g}s")
-        except UpstreamError as exc:
-            if exc.reason == "unreachable":
-                self.prefill.cool_down(endpoint)
-            result = PrefillResult(False, "timeout" if exc.reason == "timeout" else "error",
-                                   detail=exc.detail)
+        result, status = await send_prefill_leg(
+            self.upstream, endpoint, target, exchange.upstream_headers, body, extra_headers,
+            want_kv, self.config.prefill_timeout)
+        if result.outcome == "unreachable":
+            self.prefill.cool_down(endpoint)
+            result.outcome = "error"
         elapsed = time.perf_counter() - started
         exchange.prefill_ms = elapsed * 1000.0
         self.metrics.prefill_duration.observe(elapsed, handshake)
@@ -445,18 +419,3 @@ class Dispatcher:
             logs.warn(log, f"prefill leg failed ({result.outcome}): {result.detail}",
                       exchange.request_id, backend=endpoint.label, handshake=handshake)
         return result
-
-
-def _drop_decode(task: asyncio.Task[UpstreamResponse]) -> None:
-    """Close a decode leg that will not be relayed, however far it got."""
-    if not task.done():
-        task.cancel()  # its connection is discarded: decode sees the drop and aborts
-        task.add_done_callback(_close_late)
-        return
-    _close_late(task)
-
-
-def _close_late(task: asyncio.Task[UpstreamResponse]) -> None:
-    if task.cancelled() or task.exception() is not None:
-        return
-    task.result().abandon()

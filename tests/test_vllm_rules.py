@@ -8,12 +8,16 @@ prompt 0 only, rejects what vLLM's request models reject).
 from __future__ import annotations
 
 import pytest
-from helpers import chat, pd_setup
 
+from helpers import chat, pd_setup
 from lowproxy.failures import prefill_outcome
 from lowproxy.handshakes import relay
-from lowproxy.handshakes.legs import (mooncake_bodies, primed_prefill_body, relay_decode_body,
-                                      relay_prefill_body)
+from lowproxy.handshakes.legs import (
+    mooncake_bodies,
+    primed_prefill_body,
+    relay_decode_body,
+    relay_prefill_body,
+)
 from lowproxy.handshakes.rules import PREFILL_DROPPED, cannot_hand_off, decode_would_reject
 
 CHAT = "/v1/chat/completions"
