@@ -24,7 +24,8 @@ ABORT_HEADERS = [(b"content-type", b"application/json")]
 
 async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes,
                            headers: Headers, body: bytes, extra_headers: Headers,
-                           want_kv: bool, timeout: float) -> tuple[PrefillResult, int | None]:
+                           want_kv: bool, timeout: float,
+                           surface: str | None = None) -> tuple[PrefillResult, int | None]:
     """One prefill leg and what its answer means; never raises for a backend failure.
 
     The outcome ``unreachable`` (nothing was sent) lets the caller cool the
@@ -40,7 +41,7 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
                 raw = await response.read(MAX_PREFILL_ANSWER_BYTES)
             finally:
                 await response.aclose()
-        return prefill_outcome(response.status, raw, want_kv), status
+        return prefill_outcome(response.status, raw, want_kv, surface), status
     except TimeoutError:
         return PrefillResult(False, "timeout",
                              detail=f"prefill did not answer within {timeout:g}s"), status

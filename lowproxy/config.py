@@ -120,6 +120,17 @@ SETTINGS: tuple[Setting, ...] = (
         "error (502 prefill_failed)",
     ),
     Setting(
+        "rewrite_cached_tokens", "PD_PROXY_REWRITE_CACHED_TOKENS", "--rewrite-cached-tokens",
+        bool_value, "1", "put the prefill's cached prompt-token count in decode's usage "
+        "(the prefill's figure is the truth; a Mooncake decode reports the pulled prompt)",
+    ),
+    Setting(
+        "forward_prompt_token_ids", "PD_PROXY_FORWARD_PROMPT_TOKEN_IDS",
+        "--forward-prompt-token-ids", bool_value, "0",
+        "relay, chat: the prefill leg asks return_token_ids and decode gets the prompt's "
+        "token ids in kv_transfer_params (tokenize once; vLLM 0.31+ only)",
+    ),
+    Setting(
         "mooncake_bootstrap_port", "PD_PROXY_MOONCAKE_BOOTSTRAP_PORT",
         "--mooncake-bootstrap-port", int_in(1, 65535), "8998",
         "port of the prefill's Mooncake bootstrap server (GET /query)",
@@ -214,6 +225,8 @@ class Config:
     decode_timeout: float | None = None
     kv_protocol: str = "relay"
     on_prefill_failure: str = "recompute"
+    rewrite_cached_tokens: bool = True
+    forward_prompt_token_ids: bool = False
     mooncake_bootstrap_port: int = 8998
     sglang_bootstrap_port: int = 8998
     dns_refresh: float = 10.0

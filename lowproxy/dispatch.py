@@ -39,6 +39,10 @@ from .metrics import Metrics
 from .timeouts import deadline
 from .tracing import Tracing
 from .upstream import Endpoint, Upstream, UpstreamError, UpstreamResponse
+from .usage import rewrite_body, rewrite_events
+
+# A non-streamed answer whose usage is rewritten is read whole; larger is cut.
+MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
 
 log = logging.getLogger("lowproxy.exchange")
 
@@ -129,10 +133,10 @@ class Dispatcher:
     async def _in_turn(self, exchange: Exchange, responder: ResponseWriter,
                        plan: Plan) -> UpstreamResponse:
         """Relay: prefill answers first; decode's body carries its kv_transfer_params."""
-        result = await self._prefill_leg(exchange, plan.prefill, plan.prefill_target,
-                                         plan.prefill_body, plan.prefill_headers, want_kv=True)
+        result = await self._prefill_leg(exchange, plan, want_kv=True)
         if result.ok and plan.decode_body_for is not None:
-            body = plan.decode_body_for(result.kv_transfer_params)
+            body = plan.decode_body_for(result.kv_transfer_params, result.prompt_token_ids)
+            exchange.prefill_cached_tokens = result.cached_tokens
         else:
             body = self._without_kv(exchange, plan, result)
         return await self._open_decode_bounded(exchange, responder, plan.method,
@@ -151,9 +155,7 @@ class Dispatcher:
         once, but a prefill leg in flight is left to finish (bounded by the
         prefill timeout), since aborting it mid-transfer can leak KV blocks.
         """
-        prefill_task = self.spawn(self._prefill_leg(
-            exchange, plan.prefill, plan.prefill_target, plan.prefill_body,
-            plan.prefill_headers, want_kv=False))
+        prefill_task = self.spawn(self._prefill_leg(exchange, plan, want_kv=False))
         decode_task = self.loop.create_task(
             self._open_decode(exchange, responder, plan.method, plan.decode_target,
                               plan.decode_body))
@@ -167,6 +169,8 @@ class Dispatcher:
                     result = await asyncio.shield(prefill_task)
                 if result is None or result.ok:
                     response = await decode_task
+                    if result is not None:  # committed: decode reads the KV prefill made
+                        exchange.prefill_cached_tokens = result.cached_tokens
                 else:
                     self._drop_decode(exchange, decode_task)
                     body = self._without_kv(exchange, plan, result)
@@ -296,6 +300,15 @@ class Dispatcher:
         reading from decode (back-pressure).
         """
         headers, content_length = client_response_head(response.headers, exchange.wants_stream)
+        cached = exchange.prefill_cached_tokens
+        surface = exchange.surface
+        if cached is not None and surface is not None and 200 <= response.status < 300:
+            # The prefill's cached-token figure goes into decode's usage.
+            if content_length is not None:
+                await self._relay_rewritten(responder, response, headers, surface, cached)
+                return
+        else:
+            surface = None
         await responder.start(response.status, headers, content_length)
         first_byte = self.metrics.decode_first_byte
 
@@ -304,6 +317,8 @@ class Dispatcher:
                 exchange.first_byte_ms = exchange.elapsed_ms()
                 first_byte.observe(exchange.first_byte_ms / 1000.0)
             for piece in pieces:
+                if surface is not None:
+                    piece = rewrite_events(surface, piece, cached or 0)
                 responder.buffer(piece)
             responder.flush()
             return responder.client_is_slow
@@ -315,6 +330,19 @@ class Dispatcher:
         if exchange.first_byte_ms is None:
             exchange.first_byte_ms = exchange.elapsed_ms()
             first_byte.observe(exchange.first_byte_ms / 1000.0)
+        await responder.end()
+        self.metrics.decode_legs.inc("ok")
+
+    async def _relay_rewritten(self, responder: ResponseWriter, response: UpstreamResponse,
+                               headers: Headers, surface: str, cached: int) -> None:
+        """A length-framed answer, read whole, its usage rewritten, its length recomputed."""
+        try:
+            raw = await response.read(MAX_REWRITTEN_BYTES)
+        except UpstreamError as exc:
+            raise Truncated(exc.detail, response.endpoint.label) from None
+        body = rewrite_body(surface, raw, cached) or raw
+        await responder.start(response.status, headers, len(body))
+        await responder.write(body)
         await responder.end()
         self.metrics.decode_legs.inc("ok")
 
@@ -389,8 +417,7 @@ class Dispatcher:
 
     # -- prefill
 
-    async def _prefill_leg(self, exchange: Exchange, endpoint: Endpoint, target: bytes,
-                           body: bytes, extra_headers: Headers,
+    async def _prefill_leg(self, exchange: Exchange, plan: Plan,
                            want_kv: bool) -> PrefillResult:
         """Send one prefill leg and read its answer; bounded by the prefill timeout.
 
@@ -399,11 +426,13 @@ class Dispatcher:
         cached bootstrap map (a restarted prefill has new engine ids).
         """
         handshake = exchange.handshake or "relay"
+        endpoint: Endpoint = plan.prefill
         started = time.perf_counter()
         exchange.prefill_backend = endpoint.label
         result, status = await send_prefill_leg(
-            self.upstream, endpoint, target, exchange.upstream_headers, body, extra_headers,
-            want_kv, self.config.prefill_timeout)
+            self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
+            plan.prefill_body, plan.prefill_headers, want_kv, self.config.prefill_timeout,
+            plan.surface if self.config.rewrite_cached_tokens else None)
         if result.outcome == "unreachable":
             self.prefill.cool_down(endpoint)
             result.outcome = "error"

@@ -33,6 +33,8 @@ class Exchange:
     skip_reason: str | None = None  # why the prefill leg was skipped, when it was
     abort_rid: str | None = None  # SGLang: the rid both legs carry, to abort them by
     decode_endpoint: Any = None  # where the decode leg went (an upstream Endpoint)
+    surface: str | None = None  # the generation surface (routes.CHAT, ...), if one
+    prefill_cached_tokens: int | None = None  # the prefill's figure, for decode's usage
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000.0

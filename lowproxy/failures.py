@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from .upstream_errors import UpstreamError
+from .usage import cached_tokens_of
 
 # Prefill statuses that say the request itself is wrong: relayed to the client.
 # Other 4xx (401, 403, 404) say the prefill is misconfigured: the failure policy.
@@ -72,7 +73,8 @@ class PrefillRefused(Failure):
 
 
 class PrefillResult:
-    __slots__ = ("ok", "outcome", "kv_transfer_params", "detail", "status", "body")
+    __slots__ = ("ok", "outcome", "kv_transfer_params", "detail", "status", "body",
+                 "cached_tokens", "prompt_token_ids")
 
     def __init__(self, ok: bool, outcome: str, kv_transfer_params: Any = None,
                  detail: str = "", status: int = 0, body: bytes = b"") -> None:
@@ -82,10 +84,17 @@ class PrefillResult:
         self.detail = detail
         self.status = status
         self.body = body  # prefill's answer, kept only when it is relayed (rejected)
+        self.cached_tokens: int | None = None  # what the prefill's prefix cache held
+        self.prompt_token_ids: Any = None  # with return_token_ids (tokenize once)
 
 
-def prefill_outcome(status: int, raw: bytes, want_kv: bool) -> PrefillResult:
-    """What a prefill answer means for the decode leg (pure)."""
+def prefill_outcome(status: int, raw: bytes, want_kv: bool,
+                    surface: str | None = None) -> PrefillResult:
+    """What a prefill answer means for the decode leg (pure).
+
+    ``want_kv``: relay, decode needs prefill's kv_transfer_params. ``surface``:
+    read the prefill's cached-token figure from its usage (None: not wanted).
+    """
     if status in REFUSED_BY_PREFILL:
         return PrefillResult(False, "rejected", detail=f"prefill refused the request ({status})",
                              status=status, body=_json_or_none(raw))
@@ -94,19 +103,25 @@ def prefill_outcome(status: int, raw: bytes, want_kv: bool) -> PrefillResult:
                              "server is misconfigured (key, path or model), not the request")
     if not 200 <= status < 300:
         return PrefillResult(False, "error", detail=f"prefill answered {status}")
-    if not want_kv:
+    if not want_kv and surface is None:
         return PrefillResult(True, "ok")
+    answer = _object(raw)
+    result = PrefillResult(True, "ok", answer.get("kv_transfer_params") if want_kv else None)
+    if surface is not None:
+        result.cached_tokens = cached_tokens_of(surface, answer)
+    result.prompt_token_ids = answer.get("prompt_token_ids")
+    return result
+
+
+def _object(raw: bytes) -> dict[str, Any]:
+    """A backend's JSON answer when it is an object, else {} (never raises)."""
     try:
-        answer = json.loads(raw)
-    except ValueError:
-        answer = None
-    kv = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-    return PrefillResult(True, "ok", kv)
+        value = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: nesting too deep for json
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _json_or_none(raw: bytes) -> bytes:
-    """Prefill's error body when it is a JSON object (relayed as is), else b""."""
-    try:
-        return raw if isinstance(json.loads(raw), dict) else b""
-    except (ValueError, RecursionError):
-        return b""
+    """Prefill's error body when it is a non-empty JSON object (relayed as is), else b""."""
+    return raw if _object(raw) else b""

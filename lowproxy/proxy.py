@@ -29,7 +29,7 @@ from .handshakes.rules import decode_would_reject
 from .headers import forwarded_request_headers
 from .messages import ClientRequest, ResponseWriter
 from .metrics import Metrics
-from .routes import ADMIN, GENERATION, HEALTH, METRICS, READY, classify
+from .routes import ADMIN, CHAT, GENERATION, HEALTH, METRICS, READY, classify, surface_of
 from .tls import TrustStore
 from .tracing import Tracing, trace_context
 from .upstream import Endpoint, Resolver, Upstream, system_resolver
@@ -214,7 +214,8 @@ class Proxy:
             await responder.send_bytes(400, answers.invalid_body(str(exc)))
             return
         request.body = b""  # parsed: a long stream must not keep the raw prompt too
-        rejected = decode_would_reject(body)
+        surface = surface_of(request.path) or CHAT
+        rejected = decode_would_reject(body, surface)
         if rejected is not None:
             # Decode would reject it after prefill computed a KV nobody reads.
             await responder.send_bytes(400, answers.invalid_request(*rejected))
@@ -231,8 +232,9 @@ class Proxy:
             return
         responder.watch_client()
         exchange.handshake = self.config.kv_protocol
-        planning = plan_generation(self.config, self.bootstrap, request.target, body, prefill,
-                                   self.prefill.configured)
+        exchange.surface = surface
+        planning = plan_generation(self.config, self.bootstrap, surface, request.target, body,
+                                   prefill, self.prefill.configured)
         del body  # the plan holds it until decode's response is open, and no longer
         await self.dispatch.run(exchange, responder, planning)
 

@@ -1,4 +1,8 @@
-"""Which handler serves a request: a pure function of method and path."""
+"""Which handler serves a request: pure functions of method and path, and the route table.
+
+Generation surfaces are matched by path suffix, longest first, so a gateway
+prefix (``/inference/ep/v1/chat/completions``) keeps working.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,34 @@ PASSTHROUGH = "passthrough"
 
 ADMIN_SUFFIX = "/instances/add"
 HEALTH_PATHS = frozenset({"/health", "/healthz"})
-# /embeddings generates nothing: priming prefill for it would only waste a GPU,
-# so it goes straight to decode (the GCO proxy primed prefill for it too).
-GENERATION_SUFFIXES = ("/completions", "/chat/completions")
+
+# The generation surfaces: split into a prefill and a decode leg (vLLM 0.33
+# honours top-level kv_transfer_params on each).
+CHAT = "chat"
+COMPLETIONS = "completions"
+RESPONSES = "responses"
+MESSAGES = "messages"
+GENERATE = "generate"
+
+GENERATION_ROUTES: tuple[tuple[str, str], ...] = (
+    ("/chat/completions", CHAT),          # OpenAI chat
+    ("/completions", COMPLETIONS),        # OpenAI completions
+    ("/responses", RESPONSES),            # OpenAI Responses API
+    ("/messages", MESSAGES),              # Anthropic Messages API
+    ("/inference/v1/generate", GENERATE),  # vLLM token in, token out (--enable-scale-out)
+)
+# Generate nothing, so priming prefill for them would only waste a GPU: they go
+# to decode alone, like every other path (the GCO proxy primed /embeddings too).
+DECODE_ONLY_SUFFIXES = ("/embeddings", "/pooling", "/classify", "/score", "/rerank",
+                        "/tokenize", "/detokenize")
+
+
+def surface_of(path: str) -> str | None:
+    """The generation surface a POST to ``path`` is, or None."""
+    for suffix, surface in GENERATION_ROUTES:
+        if path.endswith(suffix):
+            return surface
+    return None
 
 
 def classify(method: bytes, path: str) -> str:
@@ -27,6 +56,6 @@ def classify(method: bytes, path: str) -> str:
         if path == "/metrics":
             return METRICS
         return PASSTHROUGH
-    if method == b"POST" and path.endswith(GENERATION_SUFFIXES):
+    if method == b"POST" and surface_of(path) is not None:
         return GENERATION
     return PASSTHROUGH

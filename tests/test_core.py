@@ -106,9 +106,11 @@ async def test_decode_404_passes_through():
         assert reply.status == 404 and reply.json() == {"detail": "Not Found"}
 
 
+# /v1/responses is a generation surface since issue 14 (tests/test_surfaces.py).
 @pytest.mark.parametrize("target", ["/v1/tokenize?add_special_tokens=true&x=%20",
-                                    "/v1/completions/extra", "/v1/responses",
-                                    "/v1/embeddings?encoding=float"])
+                                    "/v1/completions/extra", "/v1/responses/resp_1/cancel",
+                                    "/v1/embeddings?encoding=float", "/v1/rerank",
+                                    "/pooling", "/classify", "/score", "/detokenize"])
 async def test_non_generation_post_goes_to_decode_only(target):
     async with pd_setup() as (proxy, prefill, decode):
         body = {"model": "demo-model", "prompt": "x", "input": "y", "nested": {"a": [1, None]}}

@@ -19,6 +19,7 @@ from lowproxy.handshakes.legs import (
     relay_prefill_body,
 )
 from lowproxy.handshakes.rules import PREFILL_DROPPED, cannot_hand_off, decode_would_reject
+from lowproxy.routes import surface_of
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -64,7 +65,7 @@ def test_prefill_leg_without_n_gets_none_and_the_table_names_every_dropped_field
     ("/inference/ep/v1/completions", {"prompt": ["a", "b"]}, "list-prompts"),
 ])
 def test_requests_that_cannot_be_handed_off(path, body, reason):
-    assert cannot_hand_off(path, body) == reason
+    assert cannot_hand_off(surface_of(path) or "", body) == reason
 
 
 @pytest.mark.parametrize("body, param", [

@@ -10,7 +10,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .rules import PREFILL_DROPPED
+from ..routes import CHAT, GENERATE, MESSAGES, RESPONSES
+from .rules import (
+    GENERATE_SAMPLING_DROPPED,
+    MESSAGES_PREFILL_DROPPED,
+    PREFILL_DROPPED,
+    RESPONSES_PREFILL_DROPPED,
+)
 
 Body = dict[str, Any]
 Headers = list[tuple[bytes, bytes]]
@@ -23,27 +29,38 @@ def serialise(body: Body) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def primed_prefill_body(body: Body, kv_transfer_params: Body | None) -> Body:
+def primed_prefill_body(body: Body, kv_transfer_params: Body | None,
+                        surface: str = CHAT) -> Body:
     """The prefill leg of relay and mooncake: one token, not streamed, KV kept.
 
     Only what computes the prompt stays: the fields of rules.PREFILL_DROPPED
-    go (each would end the prefill early, be rejected, or be wasted work), and
-    everything that can change the prompt's tokens (messages, prompt, tools,
-    chat template fields, ...) is kept. ``ignore_eos``: vLLM keeps the KV for
-    the remote decoder only when the request stops on the length cap; an EOS
-    first token frees it. ``max_completion_tokens`` wins over ``max_tokens`` in
-    chat, so it is capped too, when the client sent it. ``n`` > 1 would make n
-    engine requests and n KV copies (under Mooncake n children sharing one
-    transfer id): the prefill leg asks for one; decode keeps the client's n.
+    (and the other surfaces' tables) go, each of which would end the prefill
+    early, be rejected, or be wasted work; everything that can change the
+    prompt's tokens (messages, prompt, tools, chat template fields, ...) is
+    kept. ``ignore_eos``: vLLM keeps the KV for the remote decoder only when
+    the request stops on the length cap; an EOS first token frees it.
+    ``max_completion_tokens`` wins over ``max_tokens`` in chat, so it is capped
+    too, when the client sent it. ``n`` > 1 would make n engine requests and n
+    KV copies (under Mooncake n children sharing one transfer id): the prefill
+    leg asks for one; decode keeps the client's n.
     """
-    prefill = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
+    if surface == RESPONSES:
+        prefill = _without(body, RESPONSES_PREFILL_DROPPED)
+        prefill["max_output_tokens"] = 1
+        prefill["store"] = False
+        prefill["ignore_eos"] = True
+    elif surface == MESSAGES:
+        prefill = _without(body, MESSAGES_PREFILL_DROPPED)
+        prefill["max_tokens"] = 1
+    elif surface == GENERATE:
+        prefill = dict(body)
+        prefill["sampling_params"] = _one_token(_without(body["sampling_params"],
+                                                         GENERATE_SAMPLING_DROPPED))
+    else:
+        prefill = _one_token(_without(body, PREFILL_DROPPED))
+        if "max_completion_tokens" in body:
+            prefill["max_completion_tokens"] = 1
     prefill["stream"] = False
-    prefill["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        prefill["max_completion_tokens"] = 1
-    if "n" in body:
-        prefill["n"] = 1
-    prefill["ignore_eos"] = True
     if kv_transfer_params is not None:
         prefill[KV] = kv_transfer_params
     else:
@@ -51,16 +68,35 @@ def primed_prefill_body(body: Body, kv_transfer_params: Body | None) -> Body:
     return prefill
 
 
-def relay_prefill_body(body: Body) -> Body:
-    return primed_prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False})
+def _without(body: Body, dropped: dict[str, str]) -> Body:
+    return {k: v for k, v in body.items() if k not in dropped}
 
 
-def relay_decode_body(body: Body, prefill_kv: Any) -> Body:
+def _one_token(params: Body) -> Body:
+    """The cap, ``ignore_eos`` and ``n`` of a one-token prefill, in chat/completions
+    request fields or in vLLM's sampling params (the same names)."""
+    params["max_tokens"] = 1
+    if "n" in params:
+        params["n"] = 1
+    params["ignore_eos"] = True
+    return params
+
+
+def relay_prefill_body(body: Body, surface: str = CHAT) -> Body:
+    return primed_prefill_body(body, {"do_remote_decode": True, "do_remote_prefill": False},
+                               surface)
+
+
+def relay_decode_body(body: Body, prefill_kv: Any, prompt_token_ids: Any = None) -> Body:
     """Decode gets prefill's kv_transfer_params with the flags turned round, or none.
 
-    When prefill returned nothing usable (null, not an object, empty), decode
-    gets no kv_transfer_params at all and computes the prompt itself: a
-    half-filled dict makes NIXL decode assert and Mooncake decode wait.
+    Every other key is passed on verbatim, whatever its shape (NIXL's nested
+    ``remote_block_ids``, ``tp_size``, ``remote_registration_generation``, the
+    older Mooncake connector's ``remote_host``/``remote_port``, ...). When
+    prefill returned nothing usable (null, not an object, empty), decode gets
+    no kv_transfer_params at all and computes the prompt itself: a half-filled
+    dict makes NIXL decode assert and Mooncake decode wait. ``prompt_token_ids``
+    (tokenize once, opt-in) go inside the params.
     """
     if not isinstance(prefill_kv, dict) or not prefill_kv:
         return body
@@ -68,16 +104,18 @@ def relay_decode_body(body: Body, prefill_kv: Any) -> Body:
     kv = dict(prefill_kv)
     kv["do_remote_prefill"] = True
     kv["do_remote_decode"] = False
+    if isinstance(prompt_token_ids, list):
+        kv["prompt_token_ids"] = prompt_token_ids
     decode[KV] = kv
     return decode
 
 
 def mooncake_bodies(body: Body, transfer_id: str, engine_id: str,
-                    bootstrap_addr: str) -> tuple[Body, Body]:
+                    bootstrap_addr: str, surface: str = CHAT) -> tuple[Body, Body]:
     """Prefill and decode bodies of the vLLM 0.16+ concurrent Mooncake handshake."""
     prefill = primed_prefill_body(
-        body, {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
-    )
+        body, {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id},
+        surface)
     decode = dict(body)
     decode[KV] = {
         "do_remote_prefill": True,
@@ -135,10 +173,11 @@ class Plan:
     prefill_body: bytes = b""
     prefill_headers: Headers = field(default_factory=list)
     concurrent: bool = False
-    decode_body_for: Callable[[Any], bytes] | None = None
+    decode_body_for: Callable[[Any, Any], bytes] | None = None  # (kv params, token ids)
     prefill_failure: str | None = None
     skip_reason: str | None = None
     abort_rid: str | None = None  # SGLang: the rid both legs carry, to abort them by
+    surface: str = CHAT  # routes.CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE
 
     def fallback_body(self) -> bytes:
         """Decode's body when there is no KV to pull: the client's, as it came."""

@@ -13,22 +13,30 @@ import uuid
 from typing import Any
 
 from ..config import Config
+from ..routes import CHAT, COMPLETIONS
 from . import mooncake, relay, sglang
 from .bootstrap import BootstrapCache, BootstrapError
-from .legs import Body, Plan, decode_only_plan, path_only, serialise
+from .legs import Body, Plan, decode_only_plan, serialise
 from .rules import cannot_hand_off
+
+# What SGLang's PD serves with bootstrap fields; other surfaces go to decode alone.
+SGLANG_SURFACES = (CHAT, COMPLETIONS)
+NOT_ON_SGLANG = "not-on-sglang"
 
 _rooms = random.SystemRandom()
 
 
-async def plan_generation(config: Config, bootstrap: BootstrapCache, target: bytes,
-                          body: Body, prefill: Any, prefill_configured: bool) -> Plan:
+async def plan_generation(config: Config, bootstrap: BootstrapCache, surface: str,
+                          target: bytes, body: Body, prefill: Any,
+                          prefill_configured: bool) -> Plan:
     """The plan for one generation request whose prefill leg would go to ``prefill``."""
     handshake = config.kv_protocol
     if prefill is None and not prefill_configured:
         # No prefill configured: decode computes the prompt itself, no handshake.
         return decode_only_plan(b"POST", target, serialise(body), handshake)
-    skipped = cannot_hand_off(path_only(target).decode("latin-1"), body)
+    skipped = cannot_hand_off(surface, body)
+    if skipped is None and handshake == "sglang" and surface not in SGLANG_SURFACES:
+        skipped = NOT_ON_SGLANG
     if skipped is not None:
         # Decode gets the client's request unchanged and computes the prompt.
         return decode_only_plan(b"POST", target, serialise(body), handshake,
@@ -37,12 +45,13 @@ async def plan_generation(config: Config, bootstrap: BootstrapCache, target: byt
         return decode_only_plan(b"POST", target, None, handshake, client_body=body,
                                 prefill_failure="no usable prefill endpoint")
     if handshake == "relay":
-        return relay.plan(body, target, prefill)
+        return relay.plan(body, target, prefill, surface, config.forward_prompt_token_ids)
     if handshake == "sglang":
         port = prefill.spec.bootstrap_port or config.sglang_bootstrap_port
         room = _rooms.getrandbits(63)  # non-negative, fits SGLang's int64 room id
         rid = f"lowproxy-{uuid.uuid4().hex}"  # fixed width: no rid is a prefix of another
-        return sglang.plan(body, target, prefill, prefill.bootstrap_host, port, room, rid)
+        return sglang.plan(body, target, prefill, prefill.bootstrap_host, port, room, rid,
+                           surface)
     try:
         engines = await bootstrap.engines(prefill)
     except BootstrapError as exc:
@@ -52,4 +61,4 @@ async def plan_generation(config: Config, bootstrap: BootstrapCache, target: byt
         return failed
     rank, engine_id = engines.next_rank()
     return mooncake.plan(body, target, prefill, rank, engine_id,
-                         bootstrap.bootstrap_addr(prefill), f"xfer-{uuid.uuid4()}")
+                         bootstrap.bootstrap_addr(prefill), f"xfer-{uuid.uuid4()}", surface)

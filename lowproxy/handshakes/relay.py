@@ -11,16 +11,25 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from ..routes import CHAT
 from .legs import Body, Plan, path_only, relay_decode_body, relay_prefill_body, serialise
 
 
-def plan(body: Body, target: bytes, prefill: Any) -> Plan:
-    """Both legs in turn: decode's body is made from prefill's answer."""
+def plan(body: Body, target: bytes, prefill: Any, surface: str = CHAT,
+         forward_token_ids: bool = False) -> Plan:
+    """Both legs in turn: decode's body is made from prefill's answer.
+
+    ``forward_token_ids`` (PD_PROXY_FORWARD_PROMPT_TOKEN_IDS, chat only): the
+    prefill leg asks for the prompt's token ids and decode gets them in its
+    kv_transfer_params, so it skips its own tokenization (vLLM 0.31+).
+    """
+    prefill_body = relay_prefill_body(body, surface)
+    if forward_token_ids and surface == CHAT:
+        prefill_body["return_token_ids"] = True
     return Plan("relay", b"POST", target, None, client_body=body, prefill=prefill,
-                prefill_target=path_only(target),
-                prefill_body=serialise(relay_prefill_body(body)),
-                decode_body_for=partial(_decode_body, body))
+                prefill_target=path_only(target), prefill_body=serialise(prefill_body),
+                decode_body_for=partial(_decode_body, body), surface=surface)
 
 
-def _decode_body(body: Body, prefill_kv: Any) -> bytes:
-    return serialise(relay_decode_body(body, prefill_kv))
+def _decode_body(body: Body, prefill_kv: Any, prompt_token_ids: Any = None) -> bytes:
+    return serialise(relay_decode_body(body, prefill_kv, prompt_token_ids))

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..routes import CHAT, COMPLETIONS, GENERATE, RESPONSES
+
 Body = dict[str, Any]
 
 # The fields the prefill leg drops, and why (the README's table is this one).
@@ -26,19 +28,42 @@ PREFILL_DROPPED: dict[str, str] = {
     "top_logprobs": "computed for the one prefill token and thrown away",
 }
 
+# The Responses API (vLLM 0.33): the cap is max_output_tokens; a stored one-token
+# response would be kept for ever, so the prefill leg sends store: false.
+RESPONSES_PREFILL_DROPPED: dict[str, str] = {
+    "stop_token_ids": PREFILL_DROPPED["stop_token_ids"],
+    "stop": PREFILL_DROPPED["stop"],
+}
+# The Anthropic Messages API: vLLM drops unknown fields there, so ignore_eos
+# cannot be sent (under Mooncake an EOS first token still frees the KV).
+MESSAGES_PREFILL_DROPPED: dict[str, str] = {
+    "stop_sequences": "a one-token answer that matches one stops the prefill, as stop does",
+}
+# vLLM's generate API: the sampling rules live inside sampling_params.
+GENERATE_SAMPLING_DROPPED: dict[str, str] = {
+    key: PREFILL_DROPPED[key] for key in ("min_tokens", "stop_token_ids", "stop", "logprobs")}
+
 # Reasons a request goes to decode alone, as the metric's reason label.
 LIST_PROMPTS = "list-prompts"
 BEAM_SEARCH = "beam-search"
 ECHO = "echo"
 PROMPT_LOGPROBS = "prompt-logprobs"
+STORED_CONVERSATION = "stored-conversation"
+BACKGROUND = "background"
+NO_SAMPLING_PARAMS = "no-sampling-params"
 
 
-def decode_would_reject(body: Body) -> tuple[str, str] | None:
+def decode_would_reject(body: Body, surface: str = CHAT) -> tuple[str, str] | None:
     """(param, message) for a request decode rejects in its request model; else None.
 
     Answered 400 before either leg: prefill would accept it (its leg drops the
     offending field) and compute a KV that nobody reads and vLLM never frees.
+    These are chat and completions rules: the other surfaces' request models
+    have no such fields (Responses has no stream_options; generate accepts
+    stream_options without stream).
     """
+    if surface not in (CHAT, COMPLETIONS):
+        return None
     stream = bool(body.get("stream"))  # truthiness, as vLLM's pydantic takes 1 for true
     if body.get("stream_options") is not None and not stream:
         return "stream_options", "Stream options can only be defined when stream=True."
@@ -55,10 +80,23 @@ def decode_would_reject(body: Body) -> tuple[str, str] | None:
     return None
 
 
-def cannot_hand_off(path: str, body: Body) -> str | None:
+def cannot_hand_off(surface: str, body: Body) -> str | None:
     """Why this request must go to decode alone (with no kv_transfer_params); else None."""
-    if path.endswith("/completions") and not path.endswith("/chat/completions") \
-            and _several_prompts(body.get("prompt")):
+    if surface == RESPONSES:
+        if body.get("previous_response_id") or body.get("conversation"):
+            # The conversation lives in the decode server's response store; the
+            # prefill server does not hold it.
+            return STORED_CONVERSATION
+        if body.get("background"):
+            return BACKGROUND
+        return None
+    if surface == GENERATE:
+        # sampling_params is required: decode answers the client's mistake itself,
+        # and no prefill leg is invented for it.
+        return None if isinstance(body.get("sampling_params"), dict) else NO_SAMPLING_PARAMS
+    if surface not in (CHAT, COMPLETIONS):
+        return None
+    if surface == COMPLETIONS and _several_prompts(body.get("prompt")):
         # vLLM answers kv_transfer_params for prompt 0 only and gives every
         # sub-request the same params (Mooncake: one transfer_id for all).
         return LIST_PROMPTS
