@@ -14,11 +14,10 @@ import json
 from typing import Any
 
 import pytest
-from helpers import chat, config_for, running_proxy
 
+from helpers import chat, config_for, running_proxy
 from lowproxy.demo import start_pair
-from lowproxy.routes import (CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES, classify,
-                             surface_of)
+from lowproxy.routes import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES, classify, surface_of
 from lowproxy.usage import cached_tokens_of, rewrite_body, rewrite_events
 
 RESPONSES_PATH = "/v1/responses"
