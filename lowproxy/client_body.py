@@ -46,6 +46,7 @@ _OWNED_TOP_LEVEL = frozenset(path[0] for path in PROXY_OWNED_FIELDS)
 # deeper in the stack, would then raise RecursionError. 128 is serde_json's
 # default limit; real requests (messages, tool JSON schemas) nest far less.
 MAX_DEPTH = 128
+TOO_DEEP = f"JSON body nested deeper than {MAX_DEPTH} levels"
 
 
 class BodyError(ValueError):
@@ -75,7 +76,9 @@ def parse_client_body(raw: bytes) -> Body:
         return {}
     try:
         decoded = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+    except RecursionError:
+        raise BodyError(TOO_DEEP) from None
+    except ValueError:  # UnicodeDecodeError is a ValueError
         raise BodyError("invalid JSON body") from None
     if not isinstance(decoded, dict):
         raise BodyError("JSON body must be an object")
@@ -83,7 +86,7 @@ def parse_client_body(raw: bytes) -> Body:
     # scan, so a normal body never pays for the walk.
     if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _nested_deeper_than(decoded,
                                                                               MAX_DEPTH):
-        raise BodyError(f"JSON body nested deeper than {MAX_DEPTH} levels")
+        raise BodyError(TOO_DEEP)
     return decoded
 
 
