@@ -46,8 +46,19 @@ def text_value(value: Any) -> str:
 
 
 def text_fields(fields: dict[str, Any]) -> str:
-    """``key=value`` pairs of a text line; keys are the proxy's own names."""
-    return " ".join(f"{key}={text_value(value)}" for key, value in fields.items())
+    """``key=value`` pairs of a text line; keys are the proxy's own names.
+
+    One check over all values joined serves the common line where every value
+    is plain; only a line with something to escape looks at each value.
+    """
+    values = ["-" if value is None else value if type(value) is str else str(value)
+              for value in fields.values()]
+    joined = "".join(values)
+    if not (joined.isascii() and joined.isprintable() and " " not in joined
+            and "=" not in joined and '"' not in joined) or "" in values \
+            or "-" in fields.values():
+        values = [text_value(value) for value in fields.values()]
+    return " ".join([f"{key}={value}" for key, value in zip(fields, values, strict=True)])
 
 
 def text_message(message: str) -> str:
