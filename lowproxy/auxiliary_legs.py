@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 
 from .answers import json_body
+from .backend_json import MAX_PREFILL_ANSWER_BYTES
 from .failures import PrefillResult, prefill_outcome
 from .messages import Headers
 from .timeouts import deadline
 from .upstream import Endpoint, Upstream, UpstreamError, UpstreamResponse
 
-# A prefill answer is one token of JSON; anything this large is not one.
-MAX_PREFILL_ANSWER_BYTES = 8 * 1024 * 1024
 # SGLang's POST /abort_request: best effort, and never waited on by a client.
 ABORT_TIMEOUT_SECONDS = 2.0
 ABORT_HEADERS = [(b"content-type", b"application/json")]

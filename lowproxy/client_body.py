@@ -8,41 +8,132 @@ planning, whatever the route.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 Body = dict[str, Any]
 
 KV = "kv_transfer_params"
 
+PROXY_OWNED_FIELDS: tuple[tuple[str, ...], ...] = (
+    (KV,),
+    ("vllm_xargs", KV),
+    ("sampling_params", "extra_args", KV),
+    ("bootstrap_host",),
+    ("bootstrap_port",),
+    ("bootstrap_room",),
+)
+"""Body fields only the proxy may set, as key paths; a client's are dropped on every route.
+
+- ``kv_transfer_params``: tells a vLLM connector where to pull KV from
+  (``remote_host``, ``remote_bootstrap_addr``, ...).
+- ``vllm_xargs.kv_transfer_params``: vLLM copies ``vllm_xargs`` into the sampling
+  params' ``extra_args`` after the top-level field, so it would override the
+  proxy's; the other ``vllm_xargs`` keys are the client's and kept.
+- ``sampling_params.extra_args.kv_transfer_params``: the same place, reached
+  directly through ``/inference/v1/generate``'s ``sampling_params`` (inferred
+  from vLLM's SamplingParams, which carries ``extra_args``).
+- ``bootstrap_host``, ``bootstrap_port``, ``bootstrap_room``: SGLang's PD
+  meeting point; the sglang handshake sets its own on both legs.
+"""
+
+# The top-level keys of the paths above: a body without any of them (the common
+# case) costs one set test.
+_OWNED_TOP_LEVEL = frozenset(path[0] for path in PROXY_OWNED_FIELDS)
+
+# Containers nested deeper than this are refused. The parser accepts up to about
+# the interpreter's recursion limit (1000), but json.dumps of a leg, called from
+# deeper in the stack, would then raise RecursionError. 128 is serde_json's
+# default limit; real requests (messages, tool JSON schemas) nest far less.
+MAX_DEPTH = 128
+TOO_DEEP = f"JSON body nested deeper than {MAX_DEPTH} levels"
+
 
 class BodyError(ValueError):
     """The client's body is not a usable JSON object; the message is the client's answer."""
 
 
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):  # 1e999 reads as inf: no JSON can carry it on (RFC 8259 6)
+        raise ValueError("number out of range")
+    return number
+
+
 def parse_client_body(raw: bytes) -> Body:
-    """Parse the client's body once. An empty body counts as {} (as in the GCO proxy)."""
+    """Parse the client's body once. An empty body counts as {} (as in the GCO proxy).
+
+    Only RFC 8259 JSON: NaN, Infinity and numbers that overflow to infinity
+    are refused (Python's parser takes them and json.dumps would forward them
+    as bare tokens no strict parser reads), and so is nesting deeper than
+    MAX_DEPTH, which the legs could not serialise again.
+    """
     if not raw:
         return {}
     try:
-        decoded = json.loads(raw)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        decoded = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise BodyError(TOO_DEEP) from None
+    except ValueError:  # UnicodeDecodeError is a ValueError
         raise BodyError("invalid JSON body") from None
     if not isinstance(decoded, dict):
         raise BodyError("JSON body must be an object")
+    # Depth needs at least MAX_DEPTH opening brackets: counting them is a C-speed
+    # scan, so a normal body never pays for the walk.
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _nested_deeper_than(decoded,
+                                                                              MAX_DEPTH):
+        raise BodyError(TOO_DEEP)
     return decoded
 
 
-def without_client_kv(body: Body) -> Body:
-    """The client's body minus any kv_transfer_params it sent.
+def _nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether containers nest deeper than ``limit``; iterative, so any depth is safe."""
+    stack = [(value, 1)]
+    while stack:
+        container, depth = stack.pop()
+        if depth > limit:
+            return True
+        items = container.values() if isinstance(container, dict) else container
+        stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)))
+    return False
+
+
+def without_proxy_owned(body: Body) -> Body:
+    """The client's body minus every PROXY_OWNED_FIELDS entry; the original is not changed.
 
     A client-set remote_bootstrap_addr or remote_host would make the decode
     server connect wherever the client likes, so what the client sent never
-    reaches either leg.
+    reaches either leg. Only the containers on a dropped field's path are
+    copied.
     """
-    if KV in body:
-        body = dict(body)
-        del body[KV]
+    if _OWNED_TOP_LEVEL.isdisjoint(body):
+        return body
+    body = dict(body)
+    for path in PROXY_OWNED_FIELDS:
+        _drop(body, path)
     return body
+
+
+def _drop(container: dict[str, Any], path: tuple[str, ...]) -> None:
+    """Remove ``path`` from ``container`` (already a copy), copying inner dicts it crosses."""
+    key, rest = path[0], path[1:]
+    if key not in container:
+        return
+    if not rest:
+        del container[key]
+        return
+    inner = container[key]
+    if isinstance(inner, dict) and rest[0] in inner:
+        container[key] = inner = dict(inner)
+        _drop(inner, rest)
+
+
+# The name the proxy has called since the KV fields were split out of legs.py.
+without_client_kv = without_proxy_owned
 
 
 def wants_stream(body: Body) -> bool:

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 import h11
 
 from .answers import REASONS, bad_gateway, canned_response, error_body, internal_error
-from .limits import Limits, refusal
+from .limits import Limits, origin_target, oversized_head_status, refusal
 from .messages import AbortResponse, ClientGone, ClientRequest, Headers, ResponseWriter
 from .responder import Responder
 from .timeouts import deadline
@@ -318,8 +318,8 @@ class ClientConnection:
         if body is None:
             return None
         self._disarm()
-        return ClientRequest(event.method, event.target, list(event.headers), body,
-                             event.http_version)
+        return ClientRequest(event.method, origin_target(event.target), list(event.headers),
+                             body, event.http_version)
 
     async def _reject_unparsable(self, exc: h11.RemoteProtocolError) -> None:
         status = exc.error_status_hint
@@ -328,7 +328,11 @@ class ClientConnection:
             # 6.1). The request cannot be framed, which is the client's fault:
             # nothing a client sends may earn a 5xx other than 505.
             status = 400
-        if status == 431:
+        if status == 431 and self._head_reads is not None \
+                and oversized_head_status(self._head_reads, self.limits) == 414:
+            # h11 folds the request line into its head limit: a long target is a 414.
+            await self._reject(414, "request target too long", "uri_too_long")
+        elif status == 431:
             await self._reject(431, "request header fields too large", "header_too_large")
         else:
             await self._reject(status, f"malformed request: {str(exc) or 'unreadable'}",

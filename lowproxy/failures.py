@@ -6,9 +6,9 @@ log line and the client's answer.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from .backend_json import MAX_PREFILL_ANSWER_BYTES, BadAnswer, strict_loads
 from .upstream_errors import UpstreamError
 from .usage import cached_tokens_of
 
@@ -105,23 +105,26 @@ def prefill_outcome(status: int, raw: bytes, want_kv: bool,
         return PrefillResult(False, "error", detail=f"prefill answered {status}")
     if not want_kv and surface is None:
         return PrefillResult(True, "ok")
-    answer = _object(raw)
-    result = PrefillResult(True, "ok", answer.get("kv_transfer_params") if want_kv else None)
+    try:
+        answer = strict_loads(raw, MAX_PREFILL_ANSWER_BYTES)
+        if not isinstance(answer, dict):
+            raise BadAnswer("prefill answer is not a JSON object")
+    except BadAnswer as exc:
+        if want_kv:  # relay: the answer was to say where the KV is, and does not
+            return PrefillResult(False, "error", detail=f"unusable prefill answer: {exc}")
+        answer = {}  # concurrent: the KV is where it was planned; only usage is lost
+    params = answer.get("kv_transfer_params") if want_kv else None
+    result = PrefillResult(True, "ok", params if isinstance(params, dict) else None)
     if surface is not None:
         result.cached_tokens = cached_tokens_of(surface, answer)
     result.prompt_token_ids = answer.get("prompt_token_ids")
     return result
 
 
-def _object(raw: bytes) -> dict[str, Any]:
-    """A backend's JSON answer when it is an object, else {} (never raises)."""
-    try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError):  # RecursionError: nesting too deep for json
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _json_or_none(raw: bytes) -> bytes:
     """Prefill's error body when it is a non-empty JSON object (relayed as is), else b""."""
-    return raw if _object(raw) else b""
+    try:
+        answer = strict_loads(raw, MAX_PREFILL_ANSWER_BYTES)
+    except BadAnswer:
+        return b""
+    return raw if isinstance(answer, dict) and answer else b""

@@ -63,6 +63,14 @@ def forwarded_request_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers
     return forwarded
 
 
+def header_value(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:
+    """The first value of ``name`` (lowercase) in ``headers``, or None."""
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
+
+
 def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
     """Header names listed in Connection: they are hop-by-hop too (RFC 9110 7.6.1)."""
     tokens: set[bytes] = set()

@@ -7,12 +7,24 @@ differently (request smuggling). Nothing here does I/O.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 import h11
 
 ALLOWED_METHODS = (b"GET", b"POST", b"HEAD", b"OPTIONS")
+
+# RFC 9112 3: servers should take request lines of at least 8000 octets; a
+# longer target is answered 414 (RFC 9110 15.5.15), as nginx's and Go's do.
+MAX_TARGET_BYTES = 8 * 1024
+
+# RFC 9112 3.2 / RFC 3986 3.2.2: Host = uri-host [ ":" port ]; uri-host is an IP
+# literal in brackets or a reg-name (unreserved, pct-encoded, sub-delims), which
+# may be empty. Anything else (spaces, "@" userinfo, "/", a second ":") is 400.
+_HOST = re.compile(rb"(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._~!$&'()*+,;=%-]*)(?::[0-9]*)?")
+# RFC 9112 3.2.2 absolute-form: scheme "://" authority, then path-abempty and query.
+_ABSOLUTE = re.compile(rb"(?i:https?)://([^/?#]*)([^#]*)")
 
 
 @dataclass(frozen=True)
@@ -36,8 +48,14 @@ def refusal(event: h11.Request, head_reads: list[bytes], head_size: int,
     if event.method not in ALLOWED_METHODS:
         return (405, "method not allowed", "method_not_allowed",
                 [(b"allow", b", ".join(ALLOWED_METHODS))])
+    if len(event.target) > MAX_TARGET_BYTES:
+        return 414, "request target too long", "uri_too_long"
     if head_size > limits.max_header_bytes:
         return 431, "request header fields too large", "header_too_large"
+    if event.target[:1] != b"/":
+        problem = target_problem(event.method, event.target)
+        if problem:
+            return 400, f"malformed request: {problem}", "bad_request"
     declared = None
     chunked = False
     for name, value in event.headers:
@@ -45,6 +63,9 @@ def refusal(event: h11.Request, head_reads: list[bytes], head_size: int,
             declared = int(value)
         elif name == b"transfer-encoding":
             chunked = True
+        elif name == b"host" and not _HOST.fullmatch(value):
+            # h11 already refuses a missing (HTTP/1.1) or repeated Host.
+            return 400, "malformed request: invalid Host header", "bad_request"
     if declared is not None and chunked:
         # RFC 9112 6.3: a request smuggling vector; h11 would take chunked.
         return 400, "Content-Length with Transfer-Encoding", "bad_request"
@@ -79,3 +100,51 @@ def head_problem(reads: list[bytes], size: int, has_length: bool) -> str | None:
         if b"," in lowered[start:lowered.find(b"\n", start + 1)]:
             return "Content-Length list"
     return None
+
+
+def target_problem(method: bytes, target: bytes) -> str | None:
+    """Why a request-target not in origin-form is refused; None for a usable one.
+
+    RFC 9112 3.2: asterisk-form is for OPTIONS only; absolute-form must be
+    accepted by a server (3.2.2) and is reduced to origin-form by
+    origin_target(); authority-form is CONNECT's, which is refused anyway.
+    """
+    if target == b"*":
+        return None if method == b"OPTIONS" else "'*' target is only for OPTIONS"
+    match = _ABSOLUTE.fullmatch(target)
+    if match is None:
+        return "request target is not origin-form or absolute-form"
+    authority = match.group(1)
+    if not authority or not _HOST.fullmatch(authority):
+        # Empty, or with userinfo (RFC 9110 4.2.4: treat as an error).
+        return "absolute-form target with an invalid authority"
+    return None
+
+
+def origin_target(target: bytes) -> bytes:
+    """The target as origin-form: an absolute-form one reduced to path and query.
+
+    The authority is never forwarded (RFC 9112 3.2.2: the server uses the
+    target's host instead of Host; the proxy sets its own Host upstream).
+    Call only on a target refusal() has let through.
+    """
+    if target[:1] == b"/" or target == b"*":
+        return target
+    match = _ABSOLUTE.fullmatch(target)
+    assert match is not None, target
+    rest = match.group(2)
+    return rest if rest[:1] == b"/" else b"/" + rest
+
+
+def oversized_head_status(reads: list[bytes], limits: Limits) -> int:
+    """414 or 431 for a head h11 found larger than its limit before it ended.
+
+    h11 counts the request line into its one size limit, so a long target
+    shows as "header too large"; if the request line itself has not ended
+    within the limit, or is longer than MAX_TARGET_BYTES allows, the target
+    is what is too long.
+    """
+    head = reads[0] if len(reads) == 1 else b"".join(reads)
+    end = head.find(b"\n", 0, limits.max_header_bytes + 1)
+    line_limit = MAX_TARGET_BYTES + len(b"OPTIONS  HTTP/1.1\r")
+    return 414 if end < 0 or end > line_limit else 431

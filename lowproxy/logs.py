@@ -4,6 +4,14 @@ Nothing here ever receives a body, an Authorization value or the admin key:
 callers pass only the fields below. The access line is formatted only when
 INFO is enabled. configure() is called once, at start, like logging's own
 set-up.
+
+Field values often carry client bytes (request id, path, trace id), so no
+value may reach an operator's terminal or log parser as it came (CWE-117):
+in text lines a value that is not plain is written as a JSON string literal
+(quoted, backslash escapes, ASCII only), so no control character, escape
+sequence or fake `` key=value`` field can appear; messages get their
+non-printable characters escaped. JSON lines are json.dumps output with
+ensure_ascii, valid JSON whatever the client sent.
 """
 
 from __future__ import annotations
@@ -11,11 +19,59 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import sys
 import time
 from typing import Any
 
 access_log = logging.getLogger("lowproxy.access")
+
+_UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
+
+
+def text_value(value: Any) -> str:
+    """A field value as it may appear after ``key=`` in a text line.
+
+    Plain values (printable ASCII without space, '=' or '"': the common case)
+    are written as they are, after a few C-speed checks; anything else as a
+    JSON string literal. None is "-", so a real "-" is quoted.
+    """
+    if value is None:
+        return "-"
+    text = value if isinstance(value, str) else str(value)
+    if (text.isascii() and text.isprintable() and text and text != "-"
+            and " " not in text and "=" not in text and '"' not in text):
+        return text
+    return json.dumps(text)
+
+
+def text_fields(fields: dict[str, Any]) -> str:
+    """``key=value`` pairs of a text line; keys are the proxy's own names.
+
+    One check over all values joined serves the common line where every value
+    is plain; only a line with something to escape looks at each value.
+    """
+    values = ["-" if value is None else value if type(value) is str else str(value)
+              for value in fields.values()]
+    joined = "".join(values)
+    if not (joined.isascii() and joined.isprintable() and " " not in joined
+            and "=" not in joined and '"' not in joined) or "" in values \
+            or "-" in fields.values():
+        values = [text_value(value) for value in fields.values()]
+    return " ".join([f"{key}={value}" for key, value in zip(fields, values, strict=True)])
+
+
+def text_message(message: str) -> str:
+    """A message with every character outside printable ASCII backslash-escaped."""
+    if message.isascii() and message.isprintable():
+        return message
+    return _UNPRINTABLE.sub(_escape_char, message)
+
+
+def _escape_char(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 \
+        else f"\\U{code:08x}"
 
 
 class JsonFormatter(logging.Formatter):
@@ -39,11 +95,16 @@ class TextFormatter(logging.Formatter):
     def __init__(self) -> None:
         super().__init__("%(asctime)s %(levelname)s [%(name)s] %(message)s")
 
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        # Escape the message only: a traceback appended after it keeps its lines.
+        record.message = text_message(record.message)
+        return super().formatMessage(record)
+
     def format(self, record: logging.LogRecord) -> str:
         text = super().format(record)
         fields = getattr(record, "fields", None)
         if fields and record.name != access_log.name:
-            text += " " + " ".join(f"{key}={value}" for key, value in fields.items())
+            text += " " + text_fields(fields)
         return text
 
 
@@ -81,9 +142,7 @@ class _AccessWriter:
             entry.update(fields)
             line = json.dumps(entry, separators=(",", ":"), default=str)
         else:
-            text = " ".join(f"{key}={'-' if value is None else value}"
-                            for key, value in fields.items())
-            line = f"{self._time()} INFO [{access_log.name}] {text}"
+            line = f"{self._time()} INFO [{access_log.name}] {text_fields(fields)}"
         self._lines.append(line)
         if len(self._lines) == 1:
             # Lines of one event-loop turn go out in one write, after the turn.
@@ -129,5 +188,4 @@ def access(fields: dict[str, Any]) -> None:
     if _writer is not None:
         _writer.write(fields)
         return
-    text = " ".join(f"{key}={'-' if value is None else value}" for key, value in fields.items())
-    access_log.info("%s", text, extra={"fields": fields})
+    access_log.info("%s", text_fields(fields), extra={"fields": fields})

@@ -26,7 +26,7 @@ from .handshakes.bootstrap import BootstrapCache
 from .handshakes.legs import Plan, decode_only_plan, serialise
 from .handshakes.planner import plan_generation
 from .handshakes.rules import decode_would_reject
-from .headers import forwarded_request_headers
+from .headers import forwarded_request_headers, header_value
 from .messages import ClientRequest, ResponseWriter
 from .metrics import Metrics
 from .routes import ADMIN, CHAT, GENERATION, HEALTH, METRICS, READY, classify, surface_of
@@ -146,7 +146,8 @@ class Proxy:
 
     def _exchange(self, request: ClientRequest, route: str) -> Exchange:
         upstream_headers = forwarded_request_headers(request.headers)
-        request_id = request.header(b"x-request-id")
+        # The forwarded one: an x-request-id the client's Connection names is not.
+        request_id = header_value(upstream_headers, b"x-request-id")
         if request_id is None:
             request_id = uuid.uuid4().hex.encode()
             upstream_headers.append((b"x-request-id", request_id))
@@ -224,9 +225,9 @@ class Proxy:
         try:
             prefill = self.prefill_choice.choose(request.header(b"x-prefiller-host-port"))
         except TargetRefused as refused:
-            if refused.target:
-                logs.warn(log, f"refused prefill target {refused.target}: not in "
-                          "PD_PROXY_PREFILL_HEADER_ALLOW", None)
+            if refused.target:  # client bytes go in a field, escaped, not in the message
+                logs.warn(log, "refused prefill target: not in PD_PROXY_PREFILL_HEADER_ALLOW",
+                          None, target=refused.target)
             await responder.send_bytes(refused.status,
                                        answers.prefill_target_refused(refused.message))
             return

@@ -16,6 +16,8 @@ import os
 import time
 from typing import Any
 
+from .headers import connection_tokens
+
 try:  # optional: spans only when opentelemetry-api is installed
     from opentelemetry import trace as otel_trace
     from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
@@ -35,10 +37,19 @@ def trace_context(request: Any, upstream_headers: list[tuple[bytes, bytes]],
 
     The client's traceparent/tracestate reach both legs (the server span's own
     traceparent when spans are on); PD_PROXY_TRACE=1 starts a trace for a
-    request that carries none. Appends to ``upstream_headers``.
+    request that carries none. Appends to ``upstream_headers``. Trace headers
+    the client's Connection names are hop-by-hop (RFC 9110 7.6.1): they
+    neither cross nor parent a span, as if the client had sent none.
     """
     traceparent = request.header(b"traceparent")
     tracestate = request.header(b"tracestate")
+    if (traceparent is not None or tracestate is not None) \
+            and request.header(b"connection") is not None:
+        named = connection_tokens(request.headers)
+        if b"traceparent" in named:
+            traceparent = None
+        if b"tracestate" in named:
+            tracestate = None
     trace_id = None
     span = None
     if tracing is not None:

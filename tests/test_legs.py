@@ -30,10 +30,24 @@ def test_client_body_parses_to_an_object(raw, parsed):
     assert parse_client_body(raw) == parsed
 
 
-@pytest.mark.parametrize("raw", [b"{", b"nope", b"\xff\xfe", b'{"a":1}x', b"[" * 100000])
+@pytest.mark.parametrize("raw", [b"{", b"nope", b"\xff\xfe", b'{"a":1}x', b'{"a": NaN}',
+                                 b'{"a": Infinity}', b'{"a": [-Infinity]}', b'{"a": 1e999}',
+                                 b'{"a": -1E+400}'])
 def test_invalid_json_is_a_body_error(raw):
     with pytest.raises(BodyError, match="^invalid JSON body$"):
         parse_client_body(raw)
+
+
+@pytest.mark.parametrize("raw", [b"[" * 100000, b'{"a": ' + b"[" * 128 + b"]" * 128 + b"}",
+                                 b'{"a": ' + b'{"b": ' * 200 + b"1" + b"}" * 200 + b"}"])
+def test_nesting_deeper_than_the_bound_is_a_body_error(raw):
+    with pytest.raises(BodyError, match="^JSON body nested deeper than 128 levels$"):
+        parse_client_body(raw)
+
+
+def test_nesting_at_the_bound_and_huge_finite_numbers_parse():
+    raw = b'{"a": ' + b"[" * 127 + b"]" * 127 + b', "b": 1e308, "c": ' + b"9" * 400 + b"}"
+    assert parse_client_body(raw)["b"] == 1e308
 
 
 @pytest.mark.parametrize("raw", [b"[]", b"[1, 2]", b"1", b'"text"', b"null", b"true"])

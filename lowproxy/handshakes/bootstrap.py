@@ -10,18 +10,18 @@ when a request to that endpoint fails: a restarted prefill has new ids.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import OrderedDict
 from functools import partial
 from typing import Callable
 
+from ..backend_json import MAX_QUERY_ANSWER_BYTES, BadAnswer, query_engine_ids
 from ..config import EndpointSpec
 from ..timeouts import deadline
 from ..upstream import Endpoint, Upstream, UpstreamError
 
 QUERY_TIMEOUT_SECONDS = 5.0  # as llm-d's sidecar and vLLM's own bound
 CACHE_ENTRIES = 1024
-MAX_ANSWER_BYTES = 1024 * 1024
+MAX_ANSWER_BYTES = MAX_QUERY_ANSWER_BYTES
 
 
 class BootstrapError(Exception):
@@ -46,18 +46,15 @@ class EngineMap:
 
 
 def parse_query_answer(raw: bytes) -> dict[str, str]:
+    """The answer's {rank: engine_id}, checked by backend_json; BootstrapError if unusable.
+
+    A bad answer raises before _query stores anything: it is never cached, and
+    the next request queries again.
+    """
     try:
-        data = json.loads(raw)
-    except ValueError as exc:
-        raise BootstrapError(f"answer is not JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise BootstrapError("answer is not a JSON object")
-    engines = {str(rank): entry["engine_id"] for rank, entry in data.items()
-               if isinstance(entry, dict) and isinstance(entry.get("engine_id"), str)
-               and entry["engine_id"]}
-    if not engines:
-        raise BootstrapError("no engine_id in the answer")
-    return engines
+        return query_engine_ids(raw)
+    except BadAnswer as exc:
+        raise BootstrapError(f"unusable answer: {exc}") from None
 
 
 class BootstrapCache:
@@ -150,4 +147,7 @@ class BootstrapCache:
                 raise BootstrapError(str(exc)) from None
         finally:
             await response.aclose()
-        return EngineMap(parse_query_answer(raw))
+        try:
+            return EngineMap(parse_query_answer(raw))
+        except BootstrapError as exc:
+            raise BootstrapError(f"{self.bootstrap_addr(endpoint)}/query: {exc}") from None
