@@ -22,7 +22,7 @@ log = logging.getLogger("lowproxy.keys")
 Identity = tuple[int, int, int, int]
 
 
-def read_keys(path: str, many: bool) -> tuple[bytes, ...]:
+def read_keys(path: str, many: bool, allow_empty: bool = False) -> tuple[bytes, ...]:
     """The keys a file holds (one, or one per line); raise ValueError when unusable."""
     try:
         with open(path, "rb") as file:
@@ -31,7 +31,7 @@ def read_keys(path: str, many: bool) -> tuple[bytes, ...]:
         raise ValueError(f"{path}: {exc.strerror or exc}") from None
     lines = [line.strip() for line in text.splitlines()]
     keys = tuple(line for line in lines if line)
-    if not keys:
+    if not keys and not allow_empty:
         raise ValueError(f"{path} holds no key")
     if not many and len(keys) > 1:
         raise ValueError(f"{path} holds more than one line; one key expected")
@@ -73,7 +73,9 @@ class KeySource:
         if identity == self._identity:
             return
         try:
-            keys = read_keys(self.path, self.many)
+            # A client key file emptied on purpose refuses everyone; an empty
+            # backend key file is a rotation gone wrong: the last key stays.
+            keys = read_keys(self.path, self.many, allow_empty=self.many)
         except ValueError as exc:
             self._fail(str(exc))
             return
