@@ -4,7 +4,9 @@ A BackendGroup holds the endpoints of one role. Static URLs give one endpoint
 each; a ``dns+`` URL gives one per address its name resolves to, refreshed in
 the background (a headless Kubernetes Service lists its ready pods). An
 endpoint whose connection failed is skipped for a short cooldown while others
-remain.
+remain. Endpoints added at run time (POST /instances/add, admin.py) live in
+memory beside the configured ones and survive DNS refreshes; a removed one
+takes no new requests, and its connections close once its requests finish.
 """
 
 from __future__ import annotations
@@ -32,12 +34,59 @@ class BackendGroup:
         self._static = [Endpoint(spec) for spec in self.specs if not spec.discover]
         self._discovered: dict[EndpointSpec, dict[str, Endpoint]] = {
             spec: {} for spec in self.specs if spec.discover}
+        self._added: list[Endpoint] = []  # by POST /instances/add: in memory only
         self.endpoints: list[Endpoint] = list(self._static)
+        # Removed while requests were in flight: swept until their connections close.
+        self.retired: list[Endpoint] = []
         self._next = 0
 
     @property
     def configured(self) -> bool:
-        return bool(self.specs)
+        return bool(self.specs or self._added)
+
+    def _rebuild(self) -> None:
+        self.endpoints = self._static + [endpoint for known in self._discovered.values()
+                                         for endpoint in known.values()] + self._added
+
+    def source(self, endpoint: Endpoint) -> str:
+        """Where an endpoint came from: static (a URL), dns (discovered) or admin."""
+        if endpoint in self._added:
+            return "admin"
+        return "dns" if endpoint.spec.discover else "static"
+
+    def find(self, spec: EndpointSpec) -> Endpoint | None:
+        """The endpoint at the address ``spec`` names, whatever its source."""
+        for endpoint in self.endpoints:
+            if (endpoint.spec.scheme, endpoint.connect_host, endpoint.port) == (
+                    spec.scheme, spec.host, spec.port):
+                return endpoint
+        return None
+
+    def add(self, endpoint: Endpoint) -> None:
+        self._added.append(endpoint)
+        self._rebuild()
+
+    def remove(self, endpoint: Endpoint, upstream: Upstream) -> None:
+        """No new requests go to ``endpoint``; those in flight finish on their connections.
+
+        A discovered endpoint is not removed here: the next refresh would bring
+        it back (the caller refuses it).
+        """
+        if endpoint in self._added:
+            self._added.remove(endpoint)
+        elif endpoint in self._static:
+            self._static.remove(endpoint)
+        self._rebuild()
+        upstream.close_idle(endpoint)
+        if endpoint.in_flight or endpoint.open:
+            self.retired.append(endpoint)
+
+    def sweep_retired(self, upstream: Upstream) -> None:
+        """Close what a removed endpoint's finished requests left pooled; forget it then."""
+        for endpoint in self.retired:
+            upstream.close_idle(endpoint)
+        self.retired = [endpoint for endpoint in self.retired
+                        if endpoint.in_flight or endpoint.open]
 
     def usable_count(self, now: float | None = None) -> int:
         now = time.monotonic() if now is None else now
@@ -94,6 +143,7 @@ class BackendGroup:
 
     async def refresh(self, resolver: Resolver, upstream: Upstream) -> None:
         """Resolve every dns+ name again; keep endpoints (and pools) that remain."""
+        self.sweep_retired(upstream)
         if not self._discovered:
             return
         for spec, known in self._discovered.items():
@@ -112,8 +162,7 @@ class BackendGroup:
                 log.info("%s: %s resolves to %s", self.role, spec.label,
                          ", ".join(sorted(fresh)) or "nothing")
             self._discovered[spec] = fresh
-        self.endpoints = self._static + [endpoint for known in self._discovered.values()
-                                         for endpoint in known.values()]
+        self._rebuild()  # endpoints added at run time stay
 
 
 class PrefillTargetAllowList:

@@ -31,6 +31,7 @@ from .config_values import (
     stripped,
     text_value,
 )
+from .keys import read_keys
 
 __all__ = ["SETTINGS", "Config", "ConfigError", "EndpointSpec", "Setting", "build_parser",
            "load_config", "parse_endpoint", "parse_port", "split_host_port"]
@@ -41,6 +42,11 @@ class ConfigError(ValueError):
 
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
+
+def _key_list(text: str) -> tuple[str, ...]:
+    """Comma-separated keys (lowproxy/keys.py); never echoed in an error."""
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,31 @@ SETTINGS: tuple[Setting, ...] = (
         "key for POST .../instances/add (x-admin-api-key or Authorization: Bearer); "
         "empty: the admin path always answers 403",
     ),
+    # -- keys (lowproxy/keys.py): sent to backends, required of clients
+    Setting(
+        "backend_api_key", "PD_PROXY_BACKEND_API_KEY", "--backend-api-key", stripped, "",
+        "sent as authorization: Bearer <key> on every leg to prefill and decode and on "
+        "lowproxy's own requests to them (vLLM --api-key); never to a bootstrap server",
+    ),
+    Setting(
+        "backend_api_key_file", "PD_PROXY_BACKEND_API_KEY_FILE", "--backend-api-key-file",
+        stripped, "", "file holding the backend key; re-read when the file changes",
+    ),
+    Setting(
+        "forward_authorization", "PD_PROXY_FORWARD_AUTHORIZATION", "--forward-authorization",
+        bool_value, "0", "forward the client's own authorization header to both legs "
+        "(not with a backend key)",
+    ),
+    Setting(
+        "client_api_keys", "PD_PROXY_CLIENT_API_KEYS", "--client-api-keys", _key_list, "",
+        "keys clients must send as authorization: Bearer <key>, comma-separated; "
+        "empty: no client key needed", repeatable=True,
+    ),
+    Setting(
+        "client_api_keys_file", "PD_PROXY_CLIENT_API_KEYS_FILE", "--client-api-keys-file",
+        stripped, "", "file of client keys, one per line; re-read when the file changes",
+    ),
+    # -- end of keys
     Setting("log_level", "PD_PROXY_LOG_LEVEL", "--log-level", choice(*_LOG_LEVELS), "info",
             "log level: " + ", ".join(_LOG_LEVELS)),
     Setting("log_format", "PD_PROXY_LOG_FORMAT", "--log-format", choice("text", "json"),
@@ -218,6 +249,11 @@ class Config:
     no_decode_status: int = 503
     no_decode_message: str = "no available decode backend"
     admin_api_key: str = ""
+    backend_api_key: str = ""  # keys: hidden by __repr__
+    backend_api_key_file: str = ""
+    forward_authorization: bool = False
+    client_api_keys: tuple[str, ...] = ()
+    client_api_keys_file: str = ""
     log_level: str = "info"
     log_format: str = "text"
     prefill_timeout: float = 300.0
@@ -248,8 +284,11 @@ class Config:
     workers: int = 1
     demo: bool = False
 
-    def __repr__(self) -> str:  # never print the admin key
-        shown = dataclasses.replace(self, admin_api_key="***" if self.admin_api_key else "")
+    def __repr__(self) -> str:  # never print a key
+        shown = dataclasses.replace(
+            self, admin_api_key="***" if self.admin_api_key else "",
+            backend_api_key="***" if self.backend_api_key else "",
+            client_api_keys=("***",) if self.client_api_keys else ())
         fields = ", ".join(f"{f.name}={getattr(shown, f.name)!r}" for f in dataclasses.fields(self))
         return f"Config({fields})"
 
@@ -296,4 +335,24 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}") from None
     values["demo"] = bool(args.demo)
+    _check_keys(values)
     return Config(**values), args
+
+
+def _check_keys(values: dict[str, Any]) -> None:
+    """Key settings that contradict each other, or a key file unusable at start."""
+    pairs = (("backend_api_key", "backend_api_key_file"),
+             ("client_api_keys", "client_api_keys_file"),
+             ("backend_api_key", "forward_authorization"),
+             ("backend_api_key_file", "forward_authorization"))
+    named = {setting.field: setting for setting in SETTINGS}
+    for first, second in pairs:
+        if values[first] and values[second]:
+            a, b = named[first], named[second]
+            raise ConfigError(f"{a.env} ({a.flag}) and {b.env} ({b.flag}) cannot both be set")
+    for field, many in (("backend_api_key_file", False), ("client_api_keys_file", True)):
+        if values[field]:
+            try:
+                read_keys(values[field], many)
+            except ValueError as exc:
+                raise ConfigError(f"{named[field].env}: {exc}") from None

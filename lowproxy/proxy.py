@@ -10,13 +10,13 @@ metrics and the admin path are answered here; generation requests are planned
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
 from typing import Iterable
 
 from . import answers, logs
+from .admin import Instances
 from .backends import BackendGroup, PrefillChooser, PrefillTargetAllowList, TargetRefused
 from .client_body import BodyError, parse_client_body, wants_stream, without_client_kv
 from .config import Config
@@ -27,6 +27,7 @@ from .handshakes.legs import Plan, decode_only_plan, serialise
 from .handshakes.planner import plan_generation
 from .handshakes.rules import decode_would_reject
 from .headers import forwarded_request_headers, header_value
+from .keys import BackendKey, ClientKeys
 from .messages import ClientRequest, ResponseWriter
 from .metrics import Metrics
 from .routes import ADMIN, CHAT, GENERATION, HEALTH, METRICS, READY, classify, surface_of
@@ -58,6 +59,11 @@ class Proxy:
         self.dispatch = Dispatcher(config, self.upstream, self.prefill, self.decode,
                                    self.bootstrap, self.metrics, self.tracing)
         self.resolver = resolver or system_resolver
+        # keys.py: the backend key on every leg, the client keys every request needs
+        self.backend_key = BackendKey(config.backend_api_key, config.backend_api_key_file)
+        self.client_keys = ClientKeys(config.client_api_keys, config.client_api_keys_file)
+        self.instances = Instances(config.admin_api_key, self.prefill, self.decode,
+                                   self.upstream, self.backend_key)
         self.draining = False
         self._maintenance: asyncio.Task[None] | None = None
         self._register_gauges()
@@ -97,6 +103,8 @@ class Proxy:
     def all_endpoints(self) -> Iterable[Endpoint]:
         yield from self.prefill.endpoints
         yield from self.decode.endpoints
+        yield from self.prefill.retired
+        yield from self.decode.retired
         yield from self.prefill_choice.named.values()
         yield from self.bootstrap.servers()
 
@@ -113,6 +121,12 @@ class Proxy:
         if route == METRICS:
             await self._local(responder, route, 200, self.metrics.render(), list(METRICS_TYPE))
             return
+        if (self.client_keys.required and route != ADMIN
+                and not self.client_keys.allows(request.header(b"authorization"))):
+            await self._local(responder, route, 401, answers.error_body(
+                401, "a valid API key is required: authorization: Bearer <key>",
+                "invalid_api_key"), [(b"www-authenticate", b"Bearer")])  # RFC 6750 3
+            return
         if self.draining:
             # Probes above are still answered; new work goes to another replica.
             await self._local(responder, route, 503, answers.shutting_down())
@@ -121,7 +135,7 @@ class Proxy:
         self.metrics.in_flight.add(1)
         try:
             if route == ADMIN:
-                await self._admin(request, responder)
+                await self.instances.handle(request, responder)
             elif route == GENERATION:
                 await self._generation(exchange, responder)
             else:
@@ -146,6 +160,10 @@ class Proxy:
 
     def _exchange(self, request: ClientRequest, route: str) -> Exchange:
         upstream_headers = forwarded_request_headers(request.headers)
+        if self.config.forward_authorization:  # the client's own key, to both legs
+            upstream_headers += [h for h in request.headers if h[0] == b"authorization"]
+        else:
+            upstream_headers += self.backend_key.headers()  # none without a backend key
         # The forwarded one: an x-request-id the client's Connection names is not.
         request_id = header_value(upstream_headers, b"x-request-id")
         if request_id is None:
@@ -190,20 +208,6 @@ class Proxy:
             await self._local(responder, READY, 200, answers.READY_OK)
             return
         await self._local(responder, READY, 503, answers.not_ready(reason))
-
-    async def _admin(self, request: ClientRequest, responder: ResponseWriter) -> None:
-        """The GCO proxy's admin surface: authenticated, answered here, never forwarded."""
-        key = self.config.admin_api_key.encode()
-        provided = request.header(b"x-admin-api-key")
-        if not provided:
-            authorization = request.header(b"authorization") or b""
-            scheme, _, token = authorization.partition(b" ")
-            provided = token.strip() if scheme.lower() == b"bearer" else b""
-        if (request.method == b"POST" and key and provided
-                and hmac.compare_digest(provided, key)):
-            await responder.send_bytes(200, answers.ADMIN_OK)
-        else:
-            await responder.send_bytes(403, answers.ADMIN_FORBIDDEN)
 
     # -- requests that reach backends
 

@@ -13,7 +13,10 @@ ADMIN = "admin"
 GENERATION = "generation"
 PASSTHROUGH = "passthrough"
 
+# The admin paths (admin.py), matched by suffix as the GCO proxy matched
+# .../instances/add: behind any prefix, whatever the method, never forwarded.
 ADMIN_SUFFIX = "/instances/add"
+ADMIN_ACTIONS = (("add", ADMIN_SUFFIX), ("remove", "/instances/remove"), ("list", "/instances"))
 HEALTH_PATHS = frozenset({"/health", "/healthz"})
 
 # The generation surfaces: split into a prefill and a decode leg (vLLM 0.33
@@ -45,8 +48,16 @@ def surface_of(path: str) -> str | None:
     return None
 
 
+def admin_action(path: str) -> str | None:
+    """add, remove or list for an admin path; None for any other path."""
+    for action, suffix in ADMIN_ACTIONS:
+        if path.endswith(suffix):
+            return action
+    return None
+
+
 def classify(method: bytes, path: str) -> str:
-    if path.endswith(ADMIN_SUFFIX):
+    if admin_action(path) is not None:
         return ADMIN  # whatever the method: the admin path is never forwarded
     if method in (b"GET", b"HEAD"):
         if path in HEALTH_PATHS:
