@@ -269,8 +269,8 @@ def bind(host: str, port: int, setting: str) -> socket.socket:
         family, kind, proto, _, address = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
-        raise StartError(f"cannot listen on {host}:{port} (PD_PROXY_HOST): "
-                         f"{exc.strerror}") from None
+        raise StartError(f"cannot listen on {host}:{port} (PD_PROXY_HOST: "
+                         f"{exc.strerror})") from None
     sock = socket.socket(family, kind, proto)
     try:
         # SO_REUSEADDR only lets a restart bind past connections in TIME_WAIT;
@@ -280,9 +280,11 @@ def bind(host: str, port: int, setting: str) -> socket.socket:
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        reason = ("address in use (another process listens there)"
-                  if exc.errno == errno.EADDRINUSE else exc.strerror or str(exc))
-        raise StartError(f"cannot listen on {host}:{port} ({setting}): {reason}") from None
+        if exc.errno == errno.EADDRINUSE:
+            reason = f"{setting}: address in use (another process listens there)"
+        else:
+            reason = f"PD_PROXY_HOST: {exc.strerror or exc}"
+        raise StartError(f"cannot listen on {host}:{port} ({reason})") from None
     sock.set_inheritable(False)
     return sock
 
