@@ -181,7 +181,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "metrics_port", "PD_PROXY_METRICS_PORT", "--metrics-port", int_in(0, 65535), "0",
-        "also serve /metrics on this port (0: only on the main listener)",
+        "serve /metrics on this port only (and /healthz, /readyz; plain HTTP); 0: /metrics "
+        "on the main listener",
     ),
     Setting("trace", "PD_PROXY_TRACE", "--trace", bool_value, "0",
             "start a W3C trace id for requests that carry none"),
