@@ -224,7 +224,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "metrics_port", "PD_PROXY_METRICS_PORT", "--metrics-port", int_in(0, 65535), "0",
-        "also serve /metrics on this port (0: only on the main listener)",
+        "serve /metrics on this port only (and /healthz, /readyz; plain HTTP); 0: /metrics "
+        "on the main listener",
     ),
     Setting("trace", "PD_PROXY_TRACE", "--trace", bool_value, "0",
             "start a W3C trace id for requests that carry none"),
@@ -234,7 +235,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("loop", "PD_PROXY_LOOP", "--loop", choice("auto", "asyncio", "uvloop"), "auto",
             "event loop: uvloop when installed (auto), or force one"),
     Setting("workers", "PD_PROXY_WORKERS", "--workers", int_in(1, 256), "1",
-            "processes sharing the port (SO_REUSEPORT)"),
+            "worker processes serving the port (bound once by the parent; a worker that "
+            "dies is restarted)"),
+    # -- client-side TLS (issue 13)
+    Setting("tls_cert_file", "PD_PROXY_TLS_CERT_FILE", "--tls-cert-file", stripped, "",
+            "certificate chain (PEM) to serve HTTPS on the main port with; re-read when "
+            "the file changes; empty: plain HTTP"),
+    Setting("tls_key_file", "PD_PROXY_TLS_KEY_FILE", "--tls-key-file", stripped, "",
+            "private key (PEM) of PD_PROXY_TLS_CERT_FILE"),
+    Setting("tls_client_ca_file", "PD_PROXY_TLS_CLIENT_CA_FILE", "--tls-client-ca-file",
+            stripped, "", "require client certificates signed by this CA bundle (mTLS); "
+            "empty: none asked for"),
 )
 
 
@@ -282,6 +293,10 @@ class Config:
     otel: bool = False
     loop: str = "auto"
     workers: int = 1
+    # -- client-side TLS (issue 13)
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""
     demo: bool = False
 
     def __repr__(self) -> str:  # never print a key

@@ -58,11 +58,16 @@ def parse_endpoint(text: str) -> EndpointSpec:
     scheme, sep, rest = raw.partition("://")
     if not sep or scheme not in ("http", "https"):
         raise ValueError(f"{text.strip()!r} is not an http:// or https:// URL")
-    authority, slash, path = rest.partition("/")
+    authority, _, path = rest.partition("/")
     if "@" in authority:
         raise ValueError("credentials in a backend URL are not supported")
     if "?" in authority or "?" in path:
         raise ValueError("a backend URL takes no query string")
+    if path:
+        # The client's own target (/v1/chat/completions) is sent as it came: a
+        # base path would double it (http://h:8000/v1 -> /v1/v1/...).
+        raise ValueError(f"{text.strip()!r}: a backend URL takes no path (write "
+                         "scheme://host:port; the client's path is sent as it came)")
     if authority.startswith("["):
         host, _, port_text = authority[1:].partition("]")
         port_text = port_text[1:] if port_text.startswith(":") else port_text
@@ -71,8 +76,7 @@ def parse_endpoint(text: str) -> EndpointSpec:
     if not host:
         raise ValueError(f"{text.strip()!r} has no host")
     port = parse_port(port_text) if port_text else (443 if scheme == "https" else 80)
-    base_path = ("/" + path) if slash and path else ""
-    return EndpointSpec(scheme, host.lower(), port, base_path, discover, bootstrap_port)
+    return EndpointSpec(scheme, host.lower(), port, "", discover, bootstrap_port)
 
 
 def parse_port(text: str) -> int:

@@ -1,4 +1,9 @@
-"""The daemon: configuration, event loop, listeners, signals, workers.
+"""The daemon: configuration, start-up checks, event loop, listeners, signals.
+
+Everything that can be wrong at start (a port in use, an address that cannot
+be bound, an unusable certificate or CA file) stops the start with one line
+and exit status 2, before any worker exists. The listening sockets are bound
+here, once, and inherited by the workers (workers.py).
 
 SIGTERM or SIGINT starts a drain: the listener closes, /readyz answers 503,
 requests in flight get PD_PROXY_DRAIN_SECONDS to finish, then what remains is
@@ -8,26 +13,31 @@ closed and the process exits 0. A second signal exits at once.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
+import difflib
+import errno
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 import zipimport
 from importlib import metadata
-from typing import Any, Callable
+from typing import Callable, Mapping
 
 import h11
 import httpcore
 
 from . import __version__, logs
-from .config import Config, ConfigError, load_config, parse_endpoint
+from .config import SETTINGS, Config, ConfigError, load_config, parse_endpoint
 from .demo import start_pair
+from .metrics_share import MetricsShare, mark_dead
 from .proxy import Proxy
 from .server import HttpServer, Limits
-from .tls import TrustUnavailable
+from .tls import ServerCertificate, TrustStore, TrustUnavailable
+from .workers import Supervisor
 
 try:  # the optional fast event loop (pip install 'lowproxy[fast]')
     import uvloop
@@ -37,6 +47,20 @@ except ImportError:
     UVLOOP_FACTORY = None
 
 log = logging.getLogger("lowproxy")
+
+# How often a worker writes its metrics for the others, and checks the certificate.
+SHARE_SECONDS = 1.0
+CERTIFICATE_CHECK_SECONDS = 1.0
+
+
+class StartError(Exception):
+    """A mistake found at start: one line for the operator, exit status 2."""
+
+
+@dataclasses.dataclass
+class Listeners:
+    main: socket.socket
+    metrics: socket.socket | None = None
 
 
 def version_text() -> str:
@@ -61,8 +85,8 @@ def limits_of(config: Config) -> Limits:
                   max_connections=config.max_connections)
 
 
-async def serve(config: Config, sock: socket.socket | None = None,
-                ready: asyncio.Future[int] | None = None) -> int:
+async def serve(config: Config, listeners: Listeners, ready: asyncio.Future[int] | None = None,
+                share: MetricsShare | None = None, worker: int | None = None) -> int:
     """Run one proxy process until a signal drains it; return the exit status."""
     demo = None
     if config.demo:
@@ -71,31 +95,61 @@ async def serve(config: Config, sock: socket.socket | None = None,
             config, prefill=(parse_endpoint(demo[0].url + f"#bootstrap_port="
                                             f"{demo[0].bootstrap_port}"),),
             decode=(parse_endpoint(demo[1].url),))
-    try:
+    certificate = server_certificate(config) if config.tls_cert_file else None
+    try:  # checked at start already; a file can still break before a worker starts
         proxy = Proxy(config)
+        context = certificate.context() if certificate is not None else None
     except TrustUnavailable as exc:
         log.error("cannot start: %s", exc)
-        return 1
+        return 2
     await proxy.start()
     server = HttpServer(proxy.handle, limits_of(config),
                         on_connections=lambda n: proxy.metrics.client_connections.add(n))
-    await server.listen(config.host, config.port, sock=sock, reuse_port=config.workers > 1)
+    await server.listen(None, 0, sock=listeners.main, ssl=context)
     metrics_server = None
-    if config.metrics_port:
+    if listeners.metrics is not None:  # plain HTTP always: probes and scrapers
         metrics_server = HttpServer(proxy.handle_probes_only, Limits(max_connections=64))
-        await metrics_server.listen(config.host, config.metrics_port,
-                                    reuse_port=config.workers > 1)
-    port = server.ports[0]
-    log.info("lowproxy %s listening on %s:%d (handshake=%s, prefill=%s, decode=%s)",
-             __version__, config.host, port, config.kv_protocol,
+        await metrics_server.listen(None, 0, sock=listeners.metrics)
+    background = []
+    if share is not None:
+        proxy.metrics.peers = share.peers
+        background.append(_every(SHARE_SECONDS, lambda: share.write(proxy.metrics.snapshot())))
+    if certificate is not None:
+        background.append(_every(CERTIFICATE_CHECK_SECONDS,
+                                 lambda: _renew(certificate, server)))
+    _log_listening(config, server.ports[0], context is not None, worker)
+    if ready is not None:
+        ready.set_result(server.ports[0])
+    await _until_signal(config)
+    proxy.draining = True  # /readyz answers 503 from here on
+    for task in background:
+        task.cancel()
+    await server.drain(config.drain_seconds)
+    if metrics_server is not None:
+        await metrics_server.drain(0)
+    await proxy.close(grace=1.0)
+    if share is not None:
+        share.write(proxy.metrics.snapshot())  # the last counts of this worker
+    if demo is not None:
+        for backend in demo:
+            await backend.close()
+    log.info("drained; exiting")
+    return 0
+
+
+def _log_listening(config: Config, port: int, tls: bool, worker: int | None) -> None:
+    log.info("lowproxy %s listening on %s:%d (%s%shandshake=%s, prefill=%s, decode=%s)",
+             __version__, config.host, port, "https, " if tls else "",
+             f"worker {worker}, " if worker is not None else "", config.kv_protocol,
              ",".join(e.label for e in config.prefill) or "none",
              ",".join(e.label for e in config.decode) or "none")
     if not config.decode:
         log.warning("PD_PROXY_DECODE_URL is empty: proxied requests will get %d",
                     config.no_decode_status)
-    if ready is not None:
-        ready.set_result(port)
 
+
+async def _until_signal(config: Config) -> None:
+    """Return on the first SIGTERM/SIGINT; a second one, during the drain, exits at once."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     signals_seen = 0
@@ -109,26 +163,40 @@ async def serve(config: Config, sock: socket.socket | None = None,
         log.info("signal %d: draining for up to %gs", signum, config.drain_seconds)
         stop.set()
 
+    # The handlers stay for the drain; the loop closes with the process.
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
+    # A worker starts with them blocked (workers.py); one that came meanwhile lands now.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGINT})
+    await stop.wait()
+
+
+def _every(seconds: float, action: Callable[[], object]) -> asyncio.Task[None]:
+    async def repeat() -> None:
+        while True:
+            await asyncio.sleep(seconds)
+            result = action()
+            if asyncio.iscoroutine(result):
+                await result
+
+    return asyncio.get_running_loop().create_task(repeat())
+
+
+async def _renew(certificate: ServerCertificate, server: HttpServer) -> None:
+    """A renewed certificate (or client CA) serves new connections; a broken one does not."""
+    if not certificate.changed():
+        return
     try:
-        await stop.wait()
-        proxy.draining = True  # /readyz answers 503 from here on
-        await server.drain(config.drain_seconds)
-        if metrics_server is not None:
-            await metrics_server.drain(0)
-        await proxy.close(grace=1.0)
-        if demo is not None:
-            for backend in demo:
-                await backend.close()
-    finally:
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.remove_signal_handler(signum)
-    log.info("drained; exiting")
-    return 0
+        context = certificate.context()
+    except TrustUnavailable as exc:
+        log.warning("TLS files changed but cannot be used, keeping the previous ones: %s", exc)
+        return
+    await server.use_tls(context)
+    log.info("TLS certificate reloaded from %s", certificate.cert_file)
 
 
-def _run(config: Config, sock: socket.socket | None = None) -> int:
+def _run(config: Config, listeners: Listeners, share: MetricsShare | None = None,
+         worker: int | None = None) -> int:
     """Run serve() on the configured event loop."""
     loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
     if config.loop in ("auto", "uvloop"):
@@ -141,7 +209,7 @@ def _run(config: Config, sock: socket.socket | None = None) -> int:
     loop = loop_factory()
     asyncio.set_event_loop(loop)
     try:
-        return loop.run_until_complete(serve(config, sock))
+        return loop.run_until_complete(serve(config, listeners, share=share, worker=worker))
     finally:
         try:
             loop.run_until_complete(loop.shutdown_asyncgens())
@@ -150,66 +218,111 @@ def _run(config: Config, sock: socket.socket | None = None) -> int:
             loop.close()
 
 
-def _die_with(parent: int) -> None:
-    """Make a worker get SIGTERM when its parent dies (Linux), so none is orphaned."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the parent's signal forwarding remains
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os._exit(1)
-
-
-def _run_workers(config: Config) -> int:
-    """N processes, each with its own SO_REUSEPORT socket on the same port.
-
-    The kernel spreads new connections over the sockets. The parent binds the
-    first socket (so port 0 resolves to one port for all), hands it to worker
-    0, forwards SIGTERM/SIGINT and exits when every worker has.
-    """
-    first = socket.socket(socket.AF_INET6 if ":" in config.host else socket.AF_INET,
-                          socket.SOCK_STREAM)
-    first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    first.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    first.bind((config.host, config.port))
-    port = first.getsockname()[1]
+def _run_workers(config: Config, listeners: Listeners) -> int:
+    """N workers serving the sockets bound here, their metrics shared through files."""
+    directory = tempfile.mkdtemp(prefix="lowproxy-metrics-")
+    port = listeners.main.getsockname()[1]
     config = dataclasses.replace(config, port=port)
-    children = []
-    parent = os.getpid()
-    for index in range(config.workers):
-        pid = os.fork()
-        if pid == 0:
-            _die_with(parent)
-            try:
-                if index == 0:
-                    first.listen(2048)
-                    status = _run(config, sock=first)
-                else:
-                    first.close()
-                    status = _run(config)
-            except BaseException:
-                logging.getLogger("lowproxy").exception("worker failed")
-                status = 1
-            os._exit(status)
-        children.append(pid)
-    first.close()
-    log.info("started %d workers on port %d", config.workers, port)
 
-    def forward(signum: int, _frame: Any) -> None:
-        for child in children:
-            try:
-                os.kill(child, signum)
-            except ProcessLookupError:
-                pass
+    def run_worker(index: int, seq: int) -> int:
+        return _run(config, listeners, MetricsShare(directory, seq), worker=index)
 
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    status = 0
-    for child in children:
-        _, code = os.waitpid(child, 0)
-        status = status or os.waitstatus_to_exitcode(code)
-    return 0 if status == 0 else 1
+    supervisor = Supervisor(config.workers, run_worker, lambda seq: mark_dead(directory, seq))
+    try:
+        status = supervisor.run()
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    log.info("%d workers on port %d drained; exiting", config.workers, port)
+    return status
+
+
+# -- start-up checks: each raises StartError with one line
+
+
+def check_start(config: Config) -> None:
+    """Settings that parse but cannot work together, and files that cannot be used."""
+    if config.metrics_port and config.metrics_port == config.port:
+        raise StartError(f"PD_PROXY_METRICS_PORT {config.metrics_port} is the main port "
+                         "(PD_PROXY_PORT): choose another one")
+    if bool(config.tls_cert_file) != bool(config.tls_key_file):
+        raise StartError("PD_PROXY_TLS_CERT_FILE and PD_PROXY_TLS_KEY_FILE go together")
+    if config.tls_client_ca_file and not config.tls_cert_file:
+        raise StartError("PD_PROXY_TLS_CLIENT_CA_FILE needs PD_PROXY_TLS_CERT_FILE and "
+                         "PD_PROXY_TLS_KEY_FILE (mTLS is on the HTTPS port)")
+    try:
+        if config.ca_file:
+            TrustStore(config.ca_file).context()
+        if config.tls_cert_file:
+            server_certificate(config).context()
+    except TrustUnavailable as exc:
+        raise StartError(str(exc)) from None
+
+
+def server_certificate(config: Config) -> ServerCertificate:
+    return ServerCertificate(config.tls_cert_file, config.tls_key_file,
+                             config.tls_client_ca_file)
+
+
+def bind(host: str, port: int, setting: str) -> socket.socket:
+    """Bind and listen on host:port, without SO_REUSEPORT: the port is ours alone."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise StartError(f"cannot listen on {host}:{port} (PD_PROXY_HOST: "
+                         f"{exc.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        # SO_REUSEADDR only lets a restart bind past connections in TIME_WAIT;
+        # on Linux it never lets two listeners share a port.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            reason = f"{setting}: address in use (another process listens there)"
+        else:
+            reason = f"PD_PROXY_HOST: {exc.strerror or exc}"
+        raise StartError(f"cannot listen on {host}:{port} ({reason})") from None
+    sock.set_inheritable(False)
+    return sock
+
+
+def open_listeners(config: Config) -> Listeners:
+    main = bind(config.host, config.port, "PD_PROXY_PORT")
+    if not config.metrics_port:
+        return Listeners(main)
+    try:
+        return Listeners(main, bind(config.host, config.metrics_port, "PD_PROXY_METRICS_PORT"))
+    except StartError:
+        main.close()
+        raise
+
+
+def warn_unknown_variables(environ: Mapping[str, str]) -> None:
+    """A misspelt PD_PROXY_* variable is otherwise silently ignored."""
+    known = [setting.env for setting in SETTINGS]
+    for name in sorted(environ):
+        if name.startswith("PD_PROXY_") and name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            log.warning("%s is not a lowproxy setting, ignored%s", name, hint)
+
+
+def warn_otel_without_sdk(config: Config) -> None:
+    """PD_PROXY_OTEL=1 with only opentelemetry-api: spans would go to the no-op provider."""
+    if not config.otel:
+        return
+    try:
+        from opentelemetry import trace
+    except ImportError:
+        return  # tracing.py says so itself
+    if isinstance(trace.get_tracer_provider(), (trace.ProxyTracerProvider,
+                                                trace.NoOpTracerProvider)):
+        log.warning("PD_PROXY_OTEL=1 but no OpenTelemetry SDK tracer provider is configured: "
+                    "spans go nowhere (run under opentelemetry-instrument with "
+                    "opentelemetry-distro and an exporter installed)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -222,6 +335,19 @@ def main(argv: list[str] | None = None) -> int:
         print(version_text())
         return 0
     logs.configure(config.log_level, config.log_format)
-    if config.workers > 1:
-        return _run_workers(config)
-    return _run(config)
+    warn_unknown_variables(os.environ)
+    try:
+        check_start(config)
+        listeners = open_listeners(config)
+    except StartError as exc:
+        print(f"lowproxy: {exc}", file=sys.stderr)
+        return 2
+    warn_otel_without_sdk(config)
+    try:
+        if config.workers > 1:
+            return _run_workers(config, listeners)
+        return _run(config, listeners)
+    finally:
+        for sock in (listeners.main, listeners.metrics):
+            if sock is not None:
+                sock.close()

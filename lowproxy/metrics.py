@@ -3,6 +3,9 @@
 No dependency: the hot path does a dict lookup and an add per sample; the text
 is built only when /metrics is scraped. Gauges that describe state owned
 elsewhere (pools, cooldowns, caches) are read at scrape time from callbacks.
+With several workers on one port, a scrape answered by any worker sums every
+worker's snapshot (``Metrics.peers``, fed by metrics_share): one view of the
+whole server.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import bisect
 import os
 import resource
 import time
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 LabelValues = tuple[str, ...]
 
@@ -52,10 +55,6 @@ class Counter:
     def get(self, *labels: str) -> float:
         return self.values.get(labels, 0.0)
 
-    def samples(self) -> Iterable[str]:
-        for labels, value in self.values.items():
-            yield f"{self.name}{_labels(self.labelnames, labels)} {_number(value)}"
-
 
 class Gauge:
     kind = "gauge"
@@ -71,11 +70,6 @@ class Gauge:
 
     def set(self, value: float, *labels: str) -> None:
         self.values[labels] = value
-
-    def samples(self) -> Iterable[str]:
-        items = self.read() if self.read is not None else self.values.items()
-        for labels, value in items:
-            yield f"{self.name}{_labels(self.labelnames, labels)} {_number(value)}"
 
 
 class Histogram:
@@ -99,35 +93,67 @@ class Histogram:
         entry = self.values.get(labels)
         return sum(entry[0]) if entry else 0
 
-    def samples(self) -> Iterable[str]:
-        for labels, (counts, total) in self.values.items():
-            running = 0
-            for bound, count in zip((*self.buckets, float("inf")), counts, strict=True):
-                running += count
-                le = 'le="' + _number(bound) + '"'
-                yield f"{self.name}_bucket{_labels(self.labelnames, labels, le)} {running}"
-            yield f"{self.name}_sum{_labels(self.labelnames, labels)} {_number(total[0])}"
-            yield f"{self.name}_count{_labels(self.labelnames, labels)} {running}"
 
-
-def _process_samples() -> Iterable[tuple[str, str, str, float]]:
+def process_figures() -> dict[str, float]:
+    """This process's CPU seconds, resident bytes and open fds (what /proc tells)."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    yield ("process_cpu_seconds_total", "counter", "User and system CPU time spent.",
-           usage.ru_utime + usage.ru_stime)
-    rss = None
+    figures = {"cpu": usage.ru_utime + usage.ru_stime}
     try:
         with open("/proc/self/statm", "rb") as statm:
-            rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            figures["rss"] = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         pass
-    if rss is not None:
-        yield ("process_resident_memory_bytes", "gauge", "Resident memory size.", rss)
     try:
-        fds = len(os.listdir("/proc/self/fd"))
+        figures["fds"] = len(os.listdir("/proc/self/fd"))
     except OSError:
-        fds = None
-    if fds is not None:
-        yield ("process_open_fds", "gauge", "Open file descriptors.", fds)
+        pass
+    return figures
+
+
+PROCESS_FAMILIES = (
+    ("cpu", "process_cpu_seconds_total", "counter", "User and system CPU time spent."),
+    ("rss", "process_resident_memory_bytes", "gauge", "Resident memory size."),
+    ("fds", "process_open_fds", "gauge", "Open file descriptors."),
+)
+
+# One process's values, as written for the other workers (metrics_share):
+# {"families": {name: [[labels, value-or-[counts, sum]], ...]}, "process": {...},
+#  "started": t}. Plain JSON types only.
+Snapshot = dict
+# Given this process's snapshot, the other workers' snapshots, each with
+# whether that worker is still alive (a dead one's gauges no longer count).
+Peers = Callable[[Snapshot], list[tuple[Snapshot, bool]]]
+
+
+def merge(snapshots: list[tuple[Snapshot, bool]], gauges: set[str]) -> Snapshot:
+    """Sum snapshots: counters and histograms over every worker that ever ran
+    (so a restarted worker's counts do not vanish and nothing decreases), gauges
+    and per-process sizes over the live ones; CPU seconds over all."""
+    families: dict[str, dict[tuple[str, ...], Any]] = {}
+    process: dict[str, float] = {}
+    started = min((snap["started"] for snap, _ in snapshots), default=time.time())
+    for snap, alive in snapshots:
+        for name, items in snap["families"].items():
+            if name in gauges and not alive:
+                continue
+            merged = families.setdefault(name, {})
+            for labels, value in items:
+                key = tuple(labels)
+                if isinstance(value, list):  # histogram: [counts per bucket, sum]
+                    old = merged.get(key)
+                    if old is None:
+                        merged[key] = [list(value[0]), value[1]]
+                    else:
+                        old[0] = [a + b for a, b in zip(old[0], value[0], strict=True)]
+                        old[1] += value[1]
+                else:
+                    merged[key] = merged.get(key, 0.0) + value
+        for figure, value in snap["process"].items():
+            if alive or figure == "cpu":
+                process[figure] = process.get(figure, 0.0) + value
+    return {"families": {name: [[list(k), v] for k, v in items.items()]
+                         for name, items in families.items()},
+            "process": process, "started": started}
 
 
 class Metrics:
@@ -172,6 +198,8 @@ class Metrics:
                            read=lambda: [((), len(asyncio.all_tasks()))])
         self.client_connections.set(0)
         self.in_flight.set(0)
+        # Set by the daemon when workers share one port: the other workers' values.
+        self.peers: Peers | None = None
 
     def families(self) -> list:
         return [self.requests, self.prefill_legs, self.decode_legs, self.request_duration,
@@ -179,17 +207,53 @@ class Metrics:
                 self.client_connections, self.in_flight, self.upstream_connections,
                 self.cooldown, self.bootstrap_entries, self.tasks]
 
+    def snapshot(self) -> Snapshot:
+        """This process's values in plain JSON types (gauge callbacks read now)."""
+        families: dict[str, list[list[Any]]] = {}
+        for family in self.families():
+            if isinstance(family, Histogram):
+                families[family.name] = [[list(labels), [list(counts), total[0]]]
+                                         for labels, (counts, total) in family.values.items()]
+            else:
+                items = family.read() if getattr(family, "read", None) else family.values.items()
+                families[family.name] = [[list(labels), value] for labels, value in items]
+        return {"families": families, "process": process_figures(), "started": self.started}
+
     def render(self) -> bytes:
+        """The text exposition: this process alone, or summed with its peers."""
+        own = self.snapshot()
+        snapshots = [(own, True)]
+        if self.peers is not None:
+            snapshots += self.peers(own)
+        gauges = {f.name for f in self.families() if f.kind == "gauge"}
+        merged = merge(snapshots, gauges)
         lines: list[str] = []
         for family in self.families():
             lines.append(f"# HELP {family.name} {family.help}")
             lines.append(f"# TYPE {family.name} {family.kind}")
-            lines.extend(family.samples())
-        for name, kind, help, value in _process_samples():
-            lines.append(f"# HELP {name} {help}")
-            lines.append(f"# TYPE {name} {kind}")
-            lines.append(f"{name} {_number(value)}")
+            items = merged["families"].get(family.name, [])
+            if isinstance(family, Histogram):
+                lines.extend(_histogram_lines(family, items))
+            else:
+                lines.extend(f"{family.name}{_labels(family.labelnames, labels)} "
+                             f"{_number(value)}" for labels, value in items)
+        for figure, name, kind, help in PROCESS_FAMILIES:
+            if figure in merged["process"]:
+                lines.append(f"# HELP {name} {help}")
+                lines.append(f"# TYPE {name} {kind}")
+                lines.append(f"{name} {_number(merged['process'][figure])}")
         lines.append("# HELP process_start_time_seconds Start time since the epoch.")
         lines.append("# TYPE process_start_time_seconds gauge")
-        lines.append(f"process_start_time_seconds {_number(self.started)}")
+        lines.append(f"process_start_time_seconds {_number(merged['started'])}")
         return ("\n".join(lines) + "\n").encode()
+
+
+def _histogram_lines(family: Histogram, items: list[list[Any]]) -> Iterable[str]:
+    for labels, (counts, total) in items:
+        running = 0
+        for bound, count in zip((*family.buckets, float("inf")), counts, strict=True):
+            running += count
+            le = 'le="' + _number(bound) + '"'
+            yield f"{family.name}_bucket{_labels(family.labelnames, labels, le)} {running}"
+        yield f"{family.name}_sum{_labels(family.labelnames, labels)} {_number(total)}"
+        yield f"{family.name}_count{_labels(family.labelnames, labels)} {running}"

@@ -119,7 +119,9 @@ class Proxy:
             await self._ready(responder)
             return
         if route == METRICS:
-            await self._local(responder, route, 200, self.metrics.render(), list(METRICS_TYPE))
+            # With a metrics port, /metrics (whose labels name backends) is served only there.
+            await (self._local(responder, route, 404, answers.NOT_FOUND)
+                   if self.config.metrics_port else self._metrics(responder))
             return
         if (self.client_keys.required and route != ADMIN
                 and not self.client_keys.allows(request.header(b"authorization"))):
@@ -147,11 +149,16 @@ class Proxy:
     async def handle_probes_only(self, request: ClientRequest,
                                  responder: ResponseWriter) -> None:
         """The metrics listener: /metrics and the probes, nothing that reaches a backend."""
-        if request.method in (b"GET", b"HEAD") and classify(
-                request.method, request.path) in (HEALTH, READY, METRICS):
-            await self.handle(request, responder)
-        else:
+        route = classify(request.method, request.path)
+        if request.method not in (b"GET", b"HEAD") or route not in (HEALTH, READY, METRICS):
             await responder.send_bytes(404, answers.NOT_FOUND)
+        elif route == METRICS:
+            await self._metrics(responder)
+        else:
+            await self.handle(request, responder)
+
+    async def _metrics(self, responder: ResponseWriter) -> None:
+        await self._local(responder, METRICS, 200, self.metrics.render(), list(METRICS_TYPE))
 
     async def _local(self, responder: ResponseWriter, route: str, status: int, body: bytes,
                      headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -175,12 +182,12 @@ class Proxy:
                         trace_id, span)
 
     def _finished(self, exchange: Exchange, responder: ResponseWriter) -> None:
-        status = str(responder.status) if responder.started else "499"
+        status = responder.status if responder.started else 499  # an int in JSON log lines
         elapsed_ms = exchange.elapsed_ms()
-        self.metrics.requests.inc(exchange.route, status)
+        self.metrics.requests.inc(exchange.route, str(status))
         self.metrics.request_duration.observe(elapsed_ms / 1000.0, exchange.route)
         if exchange.span is not None and self.tracing is not None:
-            self.tracing.end_request(exchange, int(status),
+            self.tracing.end_request(exchange, status,
                                      concurrent=exchange.handshake in ("mooncake", "sglang"))
         logs.access({
             "request_id": exchange.request_id,
@@ -289,8 +296,8 @@ async def _ready_plan(plan: Plan) -> Plan:
     return plan
 
 
-def _ms(value: float | None) -> str | None:
-    return None if value is None else f"{value:.1f}"
+def _ms(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)  # a number in JSON log lines
 
 
 __all__ = ["Proxy"]

@@ -49,21 +49,49 @@ class HttpServer:
         self.connections: set[ClientConnection] = set()
         self._servers: list[asyncio.Server] = []
         self._on_connections = on_connections
+        self._tls_socket: socket.socket | None = None  # the socket served with TLS
 
     async def listen(self, host: str | None, port: int, *, reuse_port: bool = False,
                      sock: socket.socket | None = None,
                      ssl: ssl_module.SSLContext | None = None) -> asyncio.Server:
         """Listen on host:port (or an already bound ``sock``); TLS when ``ssl`` is given."""
         self.draining = False  # listening (again) means serving
+        # A TLS handshake happens before _accept runs: bound it like a request head.
+        handshake = self.limits.header_timeout if ssl is not None else None
         if sock is not None:
             server = await asyncio.start_server(self._accept, sock=sock, limit=READ_SIZE,
-                                                backlog=2048, ssl=ssl)
+                                                backlog=2048, ssl=ssl,
+                                                ssl_handshake_timeout=handshake)
+            self._tls_socket = sock if ssl is not None else None
         else:
             server = await asyncio.start_server(self._accept, host, port, limit=READ_SIZE,
                                                 reuse_port=reuse_port or None, backlog=2048,
-                                                ssl=ssl)
+                                                ssl=ssl, ssl_handshake_timeout=handshake)
         self._servers.append(server)
         return server
+
+    async def use_tls(self, context: ssl_module.SSLContext) -> None:
+        """Serve new connections of the TLS socket with ``context`` (a renewed certificate).
+
+        asyncio.start_server fixes one context per listener, so a second
+        listener starts on a duplicate of the same listening socket (one queue
+        of connections in the kernel: none is refused or lost) and the old one
+        stops accepting; connections it accepted carry on under the old
+        context. Mutating the live context instead (load_cert_chain again)
+        could leave it half-updated when a rotation is half-written, and
+        cannot drop a client CA that was removed.
+        """
+        if self._tls_socket is None or self.draining:
+            return
+        old = [server for server in self._servers if server.is_serving()]
+        sock = self._tls_socket.dup()
+        server = await asyncio.start_server(self._accept, sock=sock, limit=READ_SIZE,
+                                            backlog=2048, ssl=context,
+                                            ssl_handshake_timeout=self.limits.header_timeout)
+        self._servers.append(server)
+        self._tls_socket = sock  # the old socket object closes with its listener
+        for listener in old if not self.draining else self._servers:
+            listener.close()
 
     @property
     def ports(self) -> list[int]:

@@ -81,3 +81,67 @@ class TrustStore:
         except TrustUnavailable:
             pass
         return self.generation
+
+
+# -- the client side: HTTPS on the main port
+
+
+def _identity(path: str) -> tuple[int, int, int] | None:
+    try:
+        info = os.stat(path)
+    except OSError:
+        return None
+    return (info.st_ino, info.st_mtime_ns, info.st_size)
+
+
+class ServerCertificate:
+    """The main port's certificate (and client CA for mTLS), re-read when a file changes.
+
+    ``context()`` builds a fresh server context from the files, or raises
+    TrustUnavailable naming the file; ``changed()`` says whether any file's
+    identity (inode, mtime, size: a projected Secret's symlink swap changes it)
+    differs from the one the last good context was built from. A context that
+    fails to build leaves the previous one in use: a half-written rotation
+    (new certificate, old key) must not take the listener down.
+    """
+
+    def __init__(self, cert_file: str, key_file: str, client_ca_file: str = "") -> None:
+        self.cert_file, self.key_file, self.client_ca_file = cert_file, key_file, client_ca_file
+        self._built_from: tuple[tuple[int, int, int] | None, ...] | None = None
+        self._failed_on: tuple[tuple[int, int, int] | None, ...] | None = None
+
+    def _identities(self) -> tuple[tuple[int, int, int] | None, ...]:
+        files = (self.cert_file, self.key_file, self.client_ca_file)
+        return tuple(_identity(path) if path else None for path in files)
+
+    def changed(self) -> bool:
+        """A file changed since the last context built, or since the last failure."""
+        identities = self._identities()
+        return identities != self._built_from and identities != self._failed_on
+
+    def context(self) -> ssl.SSLContext:
+        identities = self._failed_on = self._identities()
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        context.minimum_version = ssl.TLSVersion.TLSv1_2
+        # The client side speaks h11: HTTP/1.1 only (RFC 7301 ALPN).
+        context.set_alpn_protocols(["http/1.1"])
+        try:
+            context.load_cert_chain(self.cert_file, self.key_file)
+        except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
+            raise TrustUnavailable(f"certificate {self.cert_file} / key {self.key_file}: "
+                                   f"{_reason(exc)}") from None
+        if self.client_ca_file:
+            try:
+                context.load_verify_locations(cafile=self.client_ca_file)
+            except (OSError, ValueError) as exc:
+                raise TrustUnavailable(f"client CA file {self.client_ca_file}: "
+                                       f"{_reason(exc)}") from None
+            context.verify_mode = ssl.CERT_REQUIRED
+        self._built_from, self._failed_on = identities, None
+        return context
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError) and exc.strerror:
+        return exc.strerror
+    return str(exc) or type(exc).__name__

@@ -68,9 +68,14 @@ def test_trailing_slash_of_a_backend_url_is_ignored(url):
     assert decode.base_path == "" and decode.port == 8200
 
 
-def test_trailing_slash_after_a_base_path_is_ignored():
-    [prefill] = load({"PD_PROXY_PREFILL_URL": "http://p:1/engine/"}).prefill
-    assert prefill.base_path == "/engine"
+@pytest.mark.parametrize("url, reason", [
+    ("http://p:1/engine/", "no path"), ("http://p:8000/v1", "no path"),
+    ("http://p:8000?x=1", "no query"), ("http://p:8000/#frag", "unknown option"),
+    ("http://p:80a", "not a port number"), ("http://p:8000#bootstrap_port=x", "not a port")])
+def test_a_backend_url_with_a_path_query_or_fragment_is_refused(url, reason):
+    # http://h:8000/v1 once sent /v1/v1/...: the client's path is sent as it came.
+    with pytest.raises(ConfigError, match=reason):
+        load({"PD_PROXY_PREFILL_URL": url})
 
 
 def test_ca_file_surrounding_spaces_are_ignored():

@@ -257,7 +257,8 @@ async def test_json_logs_parse_carry_request_id_and_no_secret():
         assert {"time", "level", "logger", "message"} <= set(line)
     access = [line for line in lines if line["logger"] == "lowproxy.access"]
     first = next(line for line in access if line.get("request_id") == "req-42")
-    assert first["status"] == "200" and first["path"] == "/v1/chat/completions"
+    assert first["status"] == 200 and first["path"] == "/v1/chat/completions"
+    assert isinstance(first["total_ms"], float) and isinstance(first["bytes_out"], int)
     assert first["handshake"] == "relay" and first["backend"] == decode.url
     for key in ("prefill_ms", "decode_first_byte_ms", "total_ms", "bytes_out", "trace_id"):
         assert key in first

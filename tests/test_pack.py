@@ -378,7 +378,7 @@ def test_single_file_refuses_a_missing_ca_file(pyz: Path, tmp_path: Path) -> Non
                 "PD_PROXY_CA_FILE": str(tmp_path / "absent.pem")})
     done = subprocess.run([sys.executable, "-I", "-S", str(pyz)], env=env, cwd=tmp_path,
                           capture_output=True, text=True, timeout=30)
-    assert done.returncode == 1
+    assert done.returncode == 2  # a start mistake (issue 13): one line, status 2
     assert "absent.pem" in done.stderr
 
 
