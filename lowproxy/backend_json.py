@@ -56,12 +56,12 @@ def strict_loads(raw: bytes, max_bytes: int) -> Any:
         raise BadAnswer("answer nested too deep") from None
     except ValueError:  # UnicodeDecodeError is a ValueError too
         raise BadAnswer("answer is not JSON") from None
-    if _nested_deeper_than(value, MAX_DEPTH):
+    if nested_deeper_than(value, MAX_DEPTH):
         raise BadAnswer(f"answer nested deeper than {MAX_DEPTH} levels")
     return value
 
 
-def _nested_deeper_than(value: Any, limit: int) -> bool:
+def nested_deeper_than(value: Any, limit: int) -> bool:
     """Whether containers nest deeper than ``limit``; iterative, so any depth is safe."""
     stack = [(value, 1)] if isinstance(value, (dict, list)) else []
     while stack:

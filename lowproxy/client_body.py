@@ -11,6 +11,8 @@ import json
 import math
 from typing import Any
 
+from .backend_json import nested_deeper_than
+
 Body = dict[str, Any]
 
 KV = "kv_transfer_params"
@@ -84,22 +86,10 @@ def parse_client_body(raw: bytes) -> Body:
         raise BodyError("JSON body must be an object")
     # Depth needs at least MAX_DEPTH opening brackets: counting them is a C-speed
     # scan, so a normal body never pays for the walk.
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and _nested_deeper_than(decoded,
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nested_deeper_than(decoded,
                                                                               MAX_DEPTH):
         raise BodyError(TOO_DEEP)
     return decoded
-
-
-def _nested_deeper_than(value: Any, limit: int) -> bool:
-    """Whether containers nest deeper than ``limit``; iterative, so any depth is safe."""
-    stack = [(value, 1)]
-    while stack:
-        container, depth = stack.pop()
-        if depth > limit:
-            return True
-        items = container.values() if isinstance(container, dict) else container
-        stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)))
-    return False
 
 
 def without_proxy_owned(body: Body) -> Body:

@@ -27,6 +27,7 @@ from lowproxy.proxy import Proxy
 from lowproxy.server import HttpServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CHAT = "/v1/chat/completions"  # the path most tests send to
 
 
 @dataclasses.dataclass
@@ -234,6 +235,17 @@ class Daemon:
         if self.proc.poll() is not None:
             self._collect()
         return "".join(self.lines)
+
+
+async def eventually(predicate: Any, timeout: float = 10.0, what: str = "condition") -> Any:
+    """Await ``predicate()`` (a coroutine function) until it returns something true."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        value = await predicate()
+        if value:
+            return value
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
 
 
 async def wait_until(predicate: Any, timeout: float = 5.0, what: str = "condition") -> None:

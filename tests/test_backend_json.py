@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from helpers import chat, config_for, running_proxy
+from helpers import CHAT, chat, config_for, running_proxy
 from lowproxy.backend_json import (
     MAX_PREFILL_ANSWER_BYTES,
     BadAnswer,
@@ -24,7 +24,6 @@ from lowproxy.backend_json import (
 from lowproxy.demo import start_pair
 from lowproxy.handshakes.bootstrap import BootstrapError, parse_query_answer
 
-CHAT = "/v1/chat/completions"
 NIXL = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2], []],
         "remote_engine_id": "e", "remote_host": "10.0.0.5", "remote_port": 5600, "tp_size": 1,
         "odd key \u00e9\n": {"nested": [None, True, 1.5, "\ud800"]}}

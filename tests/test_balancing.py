@@ -11,11 +11,9 @@ import time
 import pytest
 import trustme
 
-from helpers import chat, config_for, running_proxy, wait_until
+from helpers import CHAT, chat, config_for, running_proxy, wait_until
 from lowproxy import backends
 from lowproxy.demo import DemoBackend, KvRegistry
-
-CHAT = "/v1/chat/completions"
 
 
 @contextlib.asynccontextmanager

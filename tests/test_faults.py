@@ -15,10 +15,8 @@ import logging
 import openai
 import pytest
 
-from helpers import ScriptedBackend, chat, config_for, pd_setup, running_proxy, wait_until
+from helpers import CHAT, ScriptedBackend, chat, config_for, pd_setup, running_proxy, wait_until
 from lowproxy.messages import AbortResponse
-
-CHAT = "/v1/chat/completions"
 
 
 def client_for(port: int) -> openai.AsyncOpenAI:

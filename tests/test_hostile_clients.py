@@ -16,6 +16,7 @@ import signal
 import pytest
 
 from helpers import (
+    CHAT,
     Daemon,
     chat,
     config_for,
@@ -27,8 +28,6 @@ from helpers import (
 )
 from lowproxy.client_body import PROXY_OWNED_FIELDS, without_client_kv, without_proxy_owned
 from lowproxy.demo import start_pair
-
-CHAT = "/v1/chat/completions"
 
 
 def only(raw: bytes):

@@ -8,12 +8,11 @@ from typing import Any, AsyncIterator
 
 import pytest
 
-from helpers import ScriptedBackend, chat, config_for, free_port, running_proxy, wait_until
+from helpers import CHAT, ScriptedBackend, chat, config_for, free_port, running_proxy, wait_until
 from lowproxy import admin
 from lowproxy.demo import DemoBackend, start_pair
 
 ADMIN = [("x-admin-api-key", "adm")]
-CHAT = "/v1/chat/completions"
 
 
 @contextlib.asynccontextmanager

@@ -18,9 +18,8 @@ import random
 
 import pytest
 
-from helpers import chat, pd_setup, raw_exchange, wait_until
+from helpers import CHAT, chat, pd_setup, raw_exchange, wait_until
 
-CHAT = "/v1/chat/completions"
 PHASES = ("decode dies", "decode closes", "prefill 500", "prefill hangs", "no fault")
 CLIENTS = ("normal", "normal", "vanish mid-body", "vanish mid-stream", "garbage")
 PER_PHASE = 60

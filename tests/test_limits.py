@@ -18,6 +18,7 @@ import socket
 import pytest
 
 from helpers import (
+    CHAT,
     ScriptedBackend,
     chat,
     config_for,
@@ -30,7 +31,6 @@ from helpers import (
 from lowproxy.config import Config, load_config
 from lowproxy.netstream import READ_HIGH_WATER, _StreamProtocol
 
-CHAT = "/v1/chat/completions"
 LIMITS = dict(max_header_bytes=4096, max_body_bytes=4096)
 
 

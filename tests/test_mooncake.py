@@ -12,12 +12,11 @@ import asyncio
 import json
 import re
 
-from helpers import Daemon, chat, config_for, pd_setup, request, running_proxy, wait_until
+from helpers import CHAT, Daemon, chat, config_for, pd_setup, request, running_proxy, wait_until
 from lowproxy.demo import DemoBackend, KvRegistry, start_pair
 from lowproxy.handshakes import bootstrap
 
 XFER = re.compile(r"^xfer-[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
-CHAT = "/v1/chat/completions"
 
 
 def legs(prefill, decode):

@@ -14,12 +14,10 @@ from typing import AsyncIterator
 
 import trustme
 
-from helpers import chat, config_for, running_proxy, wait_until
+from helpers import CHAT, chat, config_for, running_proxy, wait_until
 from lowproxy.config import load_config
 from lowproxy.demo import DemoBackend
 from lowproxy.server import HttpServer
-
-CHAT = "/v1/chat/completions"
 
 
 class Accepted:

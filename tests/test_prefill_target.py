@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import contextlib
 
-from helpers import chat, config_for, running_proxy
+from helpers import CHAT, chat, config_for, running_proxy
 from lowproxy.demo import DemoBackend, KvRegistry
 
-CHAT = "/v1/chat/completions"
 HEADER = "x-prefiller-host-port"
 
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 import asyncio
 import json
 
-from helpers import chat, config_for, pd_setup, running_proxy, wait_until
+from helpers import CHAT, chat, config_for, pd_setup, running_proxy, wait_until
 from lowproxy.demo import DemoBackend, KvRegistry, start_pair
 
-CHAT = "/v1/chat/completions"
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 

@@ -14,10 +14,8 @@ import contextlib
 import json
 import signal
 
-from helpers import Daemon, chat, exchange, follow_output, free_port, request
+from helpers import CHAT, Daemon, chat, eventually, exchange, follow_output, free_port, request
 from lowproxy.demo import start_pair
-
-CHAT = "/v1/chat/completions"
 
 
 @contextlib.asynccontextmanager
@@ -90,16 +88,6 @@ async def refused(port: int) -> bool:
     return False
 
 
-async def until(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = await predicate()
-        if value:
-            return value
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 async def test_sigterm_lets_a_stream_finish_then_exits_0():
     metrics_port = free_port()
     async with daemon_in_front(40, 0.1, drain=25,
@@ -111,9 +99,9 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0():
         daemon.proc.send_signal(signal.SIGTERM)
 
         # The listener closes: new clients go elsewhere.
-        await until(lambda: refused(port), what="listener closed")
+        await eventually(lambda: refused(port), what="listener closed")
         # An idle connection is told: /readyz 503, new work 503 "shutting down".
-        ready = await until(lambda: _readyz_when_draining(probe), what="readyz 503")
+        ready = await eventually(lambda: _readyz_when_draining(probe), what="readyz 503")
         assert ready.json()["status"] == "unavailable"
         assert ready.header("connection") == b"close"
         busy = await exchange(*worker, "POST", CHAT, chat())
@@ -160,7 +148,7 @@ async def test_second_signal_exits_at_once():
     async with daemon_in_front(100000, 0.05, drain=120) as (daemon, decode):
         stream = await Stream.open(daemon.port)
         daemon.proc.send_signal(signal.SIGTERM)
-        await until(lambda: refused(daemon.port), what="drain started")
+        await eventually(lambda: refused(daemon.port), what="drain started")
         daemon.proc.send_signal(signal.SIGTERM)
         # Well before the 120 s drain or the hours-long stream could end.
         assert await asyncio.to_thread(daemon.proc.wait, 10) != 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from helpers import chat, pd_setup
+from helpers import CHAT, chat, pd_setup
 from lowproxy.failures import prefill_outcome
 from lowproxy.handshakes import relay
 from lowproxy.handshakes.legs import (
@@ -21,7 +21,6 @@ from lowproxy.handshakes.legs import (
 from lowproxy.handshakes.rules import PREFILL_DROPPED, cannot_hand_off, decode_would_reject
 from lowproxy.routes import surface_of
 
-CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 # -- pure: the prefill leg carries only what computes the prompt
