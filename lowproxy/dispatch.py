@@ -36,7 +36,7 @@ from .handshakes.legs import Plan
 from .headers import client_response_head
 from .messages import AbortResponse, ClientGone, Headers, ResponseWriter
 from .metrics import Metrics
-from .timeouts import deadline
+from .timeouts import deadline, first_done
 from .tracing import Tracing
 from .upstream import Endpoint, Upstream, UpstreamError, UpstreamResponse
 from .usage import rewrite_body, rewrite_events
@@ -162,11 +162,11 @@ class Dispatcher:
         try:
             async with deadline(self.config.decode_timeout):
                 # Wait for prefill, or for decode to fail first (then answer at once).
-                await asyncio.wait((prefill_task, decode_task),
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await first_done(self.loop, prefill_task, decode_task)
                 result = None
                 if not (decode_task.done() and decode_task.exception() is not None):
-                    result = await asyncio.shield(prefill_task)
+                    result = (prefill_task.result() if prefill_task.done()
+                              else await asyncio.shield(prefill_task))
                 if result is None or result.ok:
                     response = await decode_task
                     if result is not None:  # committed: decode reads the KV prefill made

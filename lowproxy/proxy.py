@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from typing import Iterable
 
 from . import answers, logs
@@ -27,6 +26,7 @@ from .handshakes.legs import Plan, decode_only_plan, serialise
 from .handshakes.planner import plan_generation
 from .handshakes.rules import decode_would_reject
 from .headers import forwarded_request_headers, header_value
+from .ids import Ids
 from .keys import BackendKey, ClientKeys
 from .messages import ClientRequest, ResponseWriter
 from .metrics import Metrics
@@ -65,6 +65,7 @@ class Proxy:
         self.instances = Instances(config.admin_api_key, self.prefill, self.decode,
                                    self.upstream, self.backend_key)
         self.draining = False
+        self.ids = Ids()  # generated request ids, transfer ids and rids
         self._maintenance: asyncio.Task[None] | None = None
         self._register_gauges()
 
@@ -174,7 +175,7 @@ class Proxy:
         # The forwarded one: an x-request-id the client's Connection names is not.
         request_id = header_value(upstream_headers, b"x-request-id")
         if request_id is None:
-            request_id = uuid.uuid4().hex.encode()
+            request_id = self.ids.next_hex().encode()
             upstream_headers.append((b"x-request-id", request_id))
         trace_id, span = trace_context(request, upstream_headers, self.config.trace,
                                        self.tracing)
@@ -245,8 +246,8 @@ class Proxy:
         responder.watch_client()
         exchange.handshake = self.config.kv_protocol
         exchange.surface = surface
-        planning = plan_generation(self.config, self.bootstrap, surface, request.target, body,
-                                   prefill, self.prefill.configured)
+        planning = plan_generation(self.config, self.bootstrap, self.ids, surface,
+                                   request.target, body, prefill, self.prefill.configured)
         del body  # the plan holds it until decode's response is open, and no longer
         await self.dispatch.run(exchange, responder, planning)
 

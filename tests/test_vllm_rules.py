@@ -220,3 +220,13 @@ async def test_a_misconfigured_prefill_keeps_the_failure_policy():
         reply = await proxy.request("POST", CHAT, chat())
         assert reply.status == 502 and reply.json()["error"]["type"] == "prefill_failed"
         assert decode.received == []
+
+
+def test_ids_are_unique_fixed_width_hex_and_differ_between_processes():
+    from lowproxy.ids import Ids
+
+    first, second = Ids(), Ids()
+    made = [first.next_hex() for _ in range(1000)]
+    assert len(set(made)) == 1000
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in made)
+    assert first.next_hex()[:16] != second.next_hex()[:16]  # per-process random prefix

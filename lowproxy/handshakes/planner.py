@@ -13,6 +13,7 @@ import uuid
 from typing import Any
 
 from ..config import Config
+from ..ids import Ids
 from ..routes import CHAT, COMPLETIONS
 from . import mooncake, relay, sglang
 from .bootstrap import BootstrapCache, BootstrapError
@@ -26,7 +27,7 @@ NOT_ON_SGLANG = "not-on-sglang"
 _rooms = random.SystemRandom()
 
 
-async def plan_generation(config: Config, bootstrap: BootstrapCache, surface: str,
+async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids, surface: str,
                           target: bytes, body: Body, prefill: Any,
                           prefill_configured: bool) -> Plan:
     """The plan for one generation request whose prefill leg would go to ``prefill``."""
@@ -49,7 +50,7 @@ async def plan_generation(config: Config, bootstrap: BootstrapCache, surface: st
     if handshake == "sglang":
         port = prefill.spec.bootstrap_port or config.sglang_bootstrap_port
         room = _rooms.getrandbits(63)  # non-negative, fits SGLang's int64 room id
-        rid = f"lowproxy-{uuid.uuid4().hex}"  # fixed width: no rid is a prefix of another
+        rid = f"lowproxy-{ids.next_hex()}"  # fixed width: no rid is a prefix of another
         return sglang.plan(body, target, prefill, prefill.bootstrap_host, port, room, rid,
                            surface)
     try:
@@ -60,5 +61,6 @@ async def plan_generation(config: Config, bootstrap: BootstrapCache, surface: st
         failed.prefill = prefill
         return failed
     rank, engine_id = engines.next_rank()
+    # xfer-<uuid4>: the llm-d sidecar's form, kept so logs and tools line up.
     return mooncake.plan(body, target, prefill, rank, engine_id,
                          bootstrap.bootstrap_addr(prefill), f"xfer-{uuid.uuid4()}", surface)
