@@ -23,7 +23,7 @@ from typing import Any
 import httpcore
 import pytest
 
-from helpers import chat, config_for, running_proxy, wait_until
+from helpers import chat, config_for, raw_exchange, running_proxy, wait_until
 from lowproxy.config import Config, parse_endpoint
 from lowproxy.netstream import AsyncioBackend
 from lowproxy.tls import TrustStore
@@ -481,3 +481,27 @@ async def test_end_to_end_a_prefill_overrun_never_answers_the_next_prefill_leg()
     # Each decode leg carried its own prefill's answer, never the forged one.
     sent = [json.loads(body)["kv_transfer_params"]["n"] for body in decode.bodies]
     assert sent == [1, 2]
+
+
+@pytest.mark.parametrize("path, body", [("/v1/models", None),
+                                        ("/v1/chat/completions", {"messages": []})])
+async def test_early_hints_reach_an_http11_client_before_the_answer(path, body):
+    """RFC 9110 15.2: a proxy forwards the 1xx responses it did not ask for."""
+    method = "GET" if body is None else "POST"
+    async with hostile([EARLY_HINTS + answer(b'{"ok": 1}')]) as backend, \
+            running_proxy(config_for(decode=backend.url)) as proxy:
+        payload = b"" if body is None else json.dumps(body).encode()
+        head = (f"{method} {path} HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(payload)}\r\n\r\n").encode()
+        raw = await raw_exchange(proxy.port, head + payload, half_close=True)
+        early, final = raw.split(b"\r\n\r\n", 1)
+        assert early.startswith(b"HTTP/1.1 103 ")
+        assert b"link: </a.css>; rel=preload" in early.lower()
+        assert final.startswith(b"HTTP/1.1 200 ") and final.endswith(b'{"ok": 1}')
+
+
+async def test_early_hints_never_reach_an_http10_client():
+    async with hostile([EARLY_HINTS + answer(b'{"ok": 1}')]) as backend, \
+            running_proxy(config_for(decode=backend.url)) as proxy:
+        raw = await raw_exchange(proxy.port, b"GET /v1/models HTTP/1.0\r\nhost: x\r\n\r\n")
+        assert raw.startswith(b"HTTP/1.1 200 ") and b" 103 " not in raw
