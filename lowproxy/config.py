@@ -139,6 +139,12 @@ SETTINGS: tuple[Setting, ...] = (
         "are long)",
     ),
     Setting(
+        "decode_first_byte_timeout", "PD_PROXY_DECODE_FIRST_BYTE_TIMEOUT_SECONDS",
+        "--decode-first-byte-timeout", optional_seconds, "0",
+        "bound on decode's response head (504 when it passes); 0: none (a Mooncake decode "
+        "answers once the KV has arrived)",
+    ),
+    Setting(
         "kv_protocol", "PD_PROXY_KV_PROTOCOL", "--kv-protocol",
         choice("relay", "mooncake", "sglang"), "relay",
         "KV handshake: relay (prefill then decode, prefill's kv_transfer_params relayed), "
@@ -270,6 +276,7 @@ class Config:
     prefill_timeout: float = 300.0
     connect_timeout: float = 5.0
     decode_timeout: float | None = None
+    decode_first_byte_timeout: float | None = None
     kv_protocol: str = "relay"
     on_prefill_failure: str = "recompute"
     rewrite_cached_tokens: bool = True

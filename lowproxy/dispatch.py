@@ -38,7 +38,7 @@ from .messages import AbortResponse, ClientGone, Headers, ResponseWriter
 from .metrics import Metrics
 from .timeouts import deadline, first_done
 from .tracing import Tracing
-from .upstream import Endpoint, Upstream, UpstreamError, UpstreamResponse
+from .upstream import Endpoint, Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
 from .usage import rewrite_body, rewrite_events
 
 # A non-streamed answer whose usage is rewritten is read whole; larger is cut.
@@ -245,11 +245,19 @@ class Dispatcher:
             if endpoint is None:
                 raise NoDecode(last_error)
             exchange.decode_endpoint = endpoint
+            exchange.decode_backend = endpoint.label  # named in every log line from here
             try:
-                # 1xx (103 Early Hints) go on to the client (RFC 9110 15.2).
-                response = await self.upstream.request(
-                    endpoint, method, target, exchange.upstream_headers, body,
-                    on_informational=responder.informational)
+                # PD_PROXY_DECODE_FIRST_BYTE_TIMEOUT_SECONDS bounds the wait for
+                # decode's response head (none by default: it waits for the KV).
+                async with deadline(self.config.decode_first_byte_timeout):
+                    # 1xx (103 Early Hints) go on to the client (RFC 9110 15.2).
+                    response = await self.upstream.request(
+                        endpoint, method, target, exchange.upstream_headers, body,
+                        on_informational=responder.informational)
+            except TimeoutError:
+                raise DecodeFailed(UpstreamTimeout(
+                    f"{endpoint.label} sent no response head within "
+                    f"{self.config.decode_first_byte_timeout:g}s", endpoint)) from None
             except UpstreamError as exc:
                 if exc.reason == "untrusted":
                     raise NoDecode(exc.detail) from None
@@ -262,7 +270,6 @@ class Dispatcher:
                 tried += (endpoint,)
                 continue
             endpoint.cooldown_until = 0.0  # it answered: usable again (and ready)
-            exchange.decode_backend = endpoint.label
             return response
 
     def _decode_deadline(self, exchange: Exchange) -> Any:

@@ -135,6 +135,8 @@ class Proxy:
             await self._local(responder, route, 503, answers.shutting_down())
             return
         exchange = self._exchange(request, route)
+        # The client's x-request-id, or the one made here, comes back with the answer.
+        responder.add_header(b"x-request-id", exchange.request_id.encode("latin-1"))
         self.metrics.in_flight.add(1)
         try:
             if route == ADMIN:

@@ -51,7 +51,7 @@ class Responder:
     """
 
     __slots__ = ("_wire", "started", "ended", "status", "bytes_out", "_head", "_chunked",
-                 "_out")
+                 "_out", "_extra")
 
     def __init__(self, wire: Wire, head: bool) -> None:
         self._wire = wire
@@ -62,11 +62,22 @@ class Responder:
         self.bytes_out = 0
         self._chunked = False
         self._out: list[bytes] = []
+        self._extra: Headers = []  # headers every final response carries (x-request-id)
+
+    def add_header(self, name: bytes, value: bytes) -> None:
+        """A header for the final response, unless that response already has one."""
+        self._extra.append((name, value))
+
+    def _with_extra(self, headers: Headers) -> Headers:
+        for name, value in self._extra:
+            if not any(key == name for key, _ in headers):
+                headers.append((name, value))
+        return headers
 
     async def start(self, status: int, headers: Headers,
                     content_length: int | None = None) -> None:
         """Begin the response; its head goes out with the first flush."""
-        headers = list(headers)
+        headers = self._with_extra(list(headers))
         if content_length is not None:
             headers.append((b"content-length", str(content_length).encode()))
         wire = self._wire
@@ -135,6 +146,8 @@ class Responder:
         """A whole small response: one write, one drain."""
         headers = [(b"content-type", b"application/json")] if headers is None else headers
         headers.append((b"content-length", str(len(body)).encode()))
+        if self._extra:
+            self._with_extra(headers)
         wire = self._wire
         if wire.draining:
             headers.append((b"connection", b"close"))
