@@ -312,7 +312,8 @@ class Dispatcher:
         if cached is not None and surface is not None and 200 <= response.status < 300:
             # The prefill's cached-token figure goes into decode's usage.
             if content_length is not None:
-                await self._relay_rewritten(responder, response, headers, surface, cached)
+                await self._relay_rewritten(exchange, responder, response, headers, surface,
+                                            cached)
                 return
         else:
             surface = None
@@ -340,13 +341,16 @@ class Dispatcher:
         await responder.end()
         self.metrics.decode_legs.inc("ok")
 
-    async def _relay_rewritten(self, responder: ResponseWriter, response: UpstreamResponse,
-                               headers: Headers, surface: str, cached: int) -> None:
+    async def _relay_rewritten(self, exchange: Exchange, responder: ResponseWriter,
+                               response: UpstreamResponse, headers: Headers, surface: str,
+                               cached: int) -> None:
         """A length-framed answer, read whole, its usage rewritten, its length recomputed."""
         try:
             raw = await response.read(MAX_REWRITTEN_BYTES)
         except UpstreamError as exc:
             raise Truncated(exc.detail, response.endpoint.label) from None
+        exchange.first_byte_ms = exchange.elapsed_ms()
+        self.metrics.decode_first_byte.observe(exchange.first_byte_ms / 1000.0)
         body = rewrite_body(surface, raw, cached) or raw
         await responder.start(response.status, headers, len(body))
         await responder.write(body)
