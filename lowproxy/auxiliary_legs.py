@@ -8,7 +8,10 @@ dispatch.py. Also here: closing a decode leg that will not be relayed.
 from __future__ import annotations
 
 import asyncio
+import logging
+from typing import Any, Coroutine
 
+from . import logs
 from .answers import json_body
 from .backend_json import MAX_PREFILL_ANSWER_BYTES
 from .failures import PrefillResult, prefill_outcome
@@ -19,6 +22,8 @@ from .upstream import Endpoint, Upstream, UpstreamError, UpstreamResponse
 # SGLang's POST /abort_request: best effort, and never waited on by a client.
 ABORT_TIMEOUT_SECONDS = 2.0
 ABORT_HEADERS = [(b"content-type", b"application/json")]
+
+log = logging.getLogger("lowproxy.exchange")
 
 
 async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes,
@@ -49,16 +54,58 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
         return PrefillResult(False, outcome, detail=exc.detail), status
 
 
-async def send_abort(upstream: Upstream, endpoint: Endpoint, rid: str) -> int:
-    """``POST /abort_request {"rid": rid}`` (SGLang aborts every rid with that prefix)."""
-    async with deadline(ABORT_TIMEOUT_SECONDS):
-        response = await upstream.request(endpoint, b"POST", b"/abort_request",
-                                          ABORT_HEADERS, json_body({"rid": rid}))
-        try:
-            await response.read(64 * 1024)
-        finally:
-            await response.aclose()
-    return response.status
+async def send_abort(upstream: Upstream, endpoint: Endpoint, rid: str, role: str,
+                     request_id: str) -> None:
+    """``POST /abort_request {"rid": rid}`` (SGLang aborts every rid with that prefix).
+
+    Best effort and bounded: the outcome is logged, never raised.
+    """
+    try:
+        async with deadline(ABORT_TIMEOUT_SECONDS):
+            response = await upstream.request(endpoint, b"POST", b"/abort_request",
+                                              ABORT_HEADERS, json_body({"rid": rid}))
+            try:
+                await response.read(64 * 1024)
+            finally:
+                await response.aclose()
+    except (TimeoutError, UpstreamError) as exc:
+        logs.warn(log, f"abort of {role} leg {rid} failed: {exc or 'timed out'}",
+                  request_id, backend=endpoint.label)
+        return
+    log.info("aborted %s leg %s (%d)", role, rid, response.status,
+             extra={"fields": {"request_id": request_id, "backend": endpoint.label}})
+
+
+class BackgroundTasks:
+    """Tasks that outlive their request (a prefill leg left to finish, an abort)."""
+
+    def __init__(self) -> None:
+        self.tasks: set[asyncio.Task[Any]] = set()
+        # Cached: asyncio.get_running_loop() costs a getpid() syscall on 3.11.
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def running_loop(self) -> asyncio.AbstractEventLoop:
+        if self.loop is None:
+            self.loop = asyncio.get_running_loop()
+        return self.loop
+
+    def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = self.running_loop().create_task(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+        return task
+
+    async def close(self, grace: float = 0.0) -> None:
+        """Running tasks get ``grace`` seconds, then are cancelled."""
+        if self.tasks and grace > 0:
+            await asyncio.wait(list(self.tasks), timeout=grace)
+        for task in list(self.tasks):
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=1.0)
 
 
 def drop_decode(task: asyncio.Task[UpstreamResponse]) -> None:

@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable, Coroutine
+from typing import Any, Awaitable
 
 from . import answers, logs
-from .auxiliary_legs import drop_decode, send_abort, send_prefill_leg
+from .auxiliary_legs import BackgroundTasks, drop_decode, send_abort, send_prefill_leg
 from .backends import BackendGroup
 from .config import Config
 from .exchange import Exchange
@@ -61,34 +61,14 @@ class Dispatcher:
         self.bootstrap = bootstrap
         self.metrics = metrics
         self.tracing = tracing
-        self.background: set[asyncio.Task[Any]] = set()
-        # Cached: asyncio.get_running_loop() costs a getpid() syscall on 3.11.
-        self._loop: asyncio.AbstractEventLoop | None = None
+        self.background = BackgroundTasks()  # prefill legs left to finish, aborts
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop = loop
-
-    @property
-    def loop(self) -> asyncio.AbstractEventLoop:
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
-        return self._loop
-
-    def spawn(self, coroutine: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
-        """A task that outlives its request (a prefill leg left to finish)."""
-        task = self.loop.create_task(coroutine)
-        self.background.add(task)
-        task.add_done_callback(self.background.discard)
-        return task
+        self.background.loop = loop
 
     async def close(self, grace: float = 0.0) -> None:
         """Prefill legs in flight get ``grace`` seconds, then are cancelled."""
-        if self.background and grace > 0:
-            await asyncio.wait(list(self.background), timeout=grace)
-        for task in list(self.background):
-            task.cancel()
-        if self.background:
-            await asyncio.wait(list(self.background), timeout=1.0)
+        await self.background.close(grace)
 
     # -- the pipeline
 
@@ -155,14 +135,14 @@ class Dispatcher:
         once, but a prefill leg in flight is left to finish (bounded by the
         prefill timeout), since aborting it mid-transfer can leak KV blocks.
         """
-        prefill_task = self.spawn(self._prefill_leg(exchange, plan, want_kv=False))
-        decode_task = self.loop.create_task(
+        prefill_task = self.background.spawn(self._prefill_leg(exchange, plan, want_kv=False))
+        decode_task = self.background.running_loop().create_task(
             self._open_decode(exchange, responder, plan.method, plan.decode_target,
                               plan.decode_body))
         try:
             async with deadline(self.config.decode_timeout):
                 # Wait for prefill, or for decode to fail first (then answer at once).
-                await first_done(self.loop, prefill_task, decode_task)
+                await first_done(self.background.running_loop(), prefill_task, decode_task)
                 result = None
                 if not (decode_task.done() and decode_task.exception() is not None):
                     result = (prefill_task.result() if prefill_task.done()
@@ -413,18 +393,7 @@ class Dispatcher:
             return
         if role == "decode":
             exchange.decode_endpoint = None  # once per leg
-        self.spawn(self._send_abort(endpoint, rid, role, exchange.request_id))
-
-    async def _send_abort(self, endpoint: Endpoint, rid: str, role: str,
-                          request_id: str) -> None:
-        try:
-            status = await send_abort(self.upstream, endpoint, rid)
-        except (TimeoutError, UpstreamError) as exc:
-            logs.warn(log, f"abort of {role} leg {rid} failed: {exc or 'timed out'}",
-                      request_id, backend=endpoint.label)
-            return
-        log.info("aborted %s leg %s (%d)", role, rid, status,
-                 extra={"fields": {"request_id": request_id, "backend": endpoint.label}})
+        self.background.spawn(send_abort(self.upstream, endpoint, rid, role, exchange.request_id))
 
     # -- prefill
 
