@@ -179,7 +179,8 @@ def choose_bounded(ring: Ring, key_hash: int, eligible: Collection[str],
 
     The bound is (1 + slack) x the average outstanding work of the eligible
     names, this request included. "At home" says the key's first eligible name
-    took it; False means bounded loads sent it on. A prompt too large for any
+    took it; False means bounded loads sent it on. An idle endpoint always
+    takes its keys; otherwise a prompt too large for any
     endpoint's room goes to the least loaded.
     """
     if not eligible:
@@ -193,7 +194,10 @@ def choose_bounded(ring: Ring, key_hash: int, eligible: Collection[str],
             continue
         if home is None:
             home = name
-        if loads.get(name, 0.0) + cost <= capacity:
+        load = loads.get(name, 0.0)
+        # An idle endpoint takes its keys whatever their size: alone, one prompt
+        # larger than its share of the room would otherwise never go home.
+        if load == 0.0 or load + cost <= capacity:
             return name, name == home
     least = min(eligible, key=lambda name: (loads.get(name, 0.0), name))
     return least, least == home

@@ -64,6 +64,7 @@ class PrefillChooser:
         self.outstanding: dict[Endpoint, int] = {}  # prompt bytes chosen, not yet released
         self._ring: Ring | None = None
         self._ring_of: list[Endpoint] | None = None
+        self._turn = 0
 
     def named_target(self, header: bytes | None) -> Endpoint | None:
         """The scheduler-named endpoint; raises TargetRefused for a refused header."""
@@ -94,7 +95,10 @@ class PrefillChooser:
         if self.policy == "affinity" and facts.key is not None and len(usable) > 1:
             endpoint, home = self._by_affinity(usable, facts)
             return group.count_sent(self._counted(endpoint, "affinity" if home else "load"))
-        least = min(usable, key=lambda e: self.outstanding.get(e, 0))
+        # Ties go in turn: an idle group is not one endpoint's alone.
+        self._turn = (self._turn + 1) % len(usable)
+        ordered = usable[self._turn:] + usable[:self._turn]
+        least = min(ordered, key=lambda e: self.outstanding.get(e, 0))
         return group.count_sent(self._counted(least, "load"))
 
     def _by_affinity(self, usable: list[Endpoint], facts: PromptFacts

@@ -319,6 +319,8 @@ class Proxy:
         metrics.cooldown.read = lambda: [(("prefill",), self.prefill.in_cooldown()),
                                          (("decode",), self.decode.in_cooldown())]
         metrics.bootstrap_entries.read = lambda: [((), len(self.bootstrap))]
+        metrics.endpoint_health.read = self.health.health_states
+        metrics.endpoint_in_flight.read = self.health.in_flight
 
 
 async def _ready_plan(plan: Plan) -> Plan:
