@@ -38,6 +38,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+import load_prefix
 from load_client import Result, drive, prefill_leg_body
 from load_procs import Backends, ProxyProcess, raise_fd_limit
 from load_render import FOOTNOTE, markdown, summary, table
@@ -45,6 +46,8 @@ from load_report import evaluate, group_by_run
 from load_streams import idle_streams, trickle
 
 SCENARIOS = ("chat", "latency", "mooncake", "stream", "trickle", "workers", "idle-streams")
+# Not in "all": load_prefix.py, its own backends per policy and its own table.
+OWN_TABLE = ("prefix",)
 NEEDS_CHAT = ("trickle", "workers")  # their figures are relative to chat's of the same run
 LOOPS = ("asyncio", "uvloop", "auto")
 
@@ -151,7 +154,7 @@ def run_all(args: argparse.Namespace, loop: str, run: int) -> list[Result]:
             print(f"running {scenario} (loop {loop}, run {run}) ...", file=sys.stderr,
                   flush=True)
 
-    fast = [s for s in args.scenarios if s not in ("trickle", "idle-streams")]
+    fast = [s for s in args.scenarios if s not in ("trickle", "idle-streams", *OWN_TABLE)]
     if fast:
         backends = Backends(args.stream_chunks, 0.0)
         try:
@@ -178,8 +181,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "that reads PD_PROXY_* variables. Linux only (/proc).")
     add = parser.add_argument
     add("--scenario", default="all",
-        help=f"comma-separated, of {', '.join(SCENARIOS)}; or all (default). trickle and "
-        "workers bring chat along: their figures are relative to it")
+        help=f"comma-separated, of {', '.join(SCENARIOS + OWN_TABLE)}; or all (default: "
+        "every one but prefix). trickle and workers bring chat along: their figures are "
+        "relative to it")
     add("--concurrency", type=int, default=32,
         help="connections in flight for chat, mooncake, stream and workers (default 32; "
         "latency always runs at 1)")
@@ -236,12 +240,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     names = SCENARIOS if args.scenario == "all" else tuple(
         s.strip() for s in args.scenario.split(",") if s.strip())
-    unknown = [s for s in names if s not in SCENARIOS]
+    unknown = [s for s in names if s not in SCENARIOS + OWN_TABLE]
     if unknown:
-        parser.error(f"unknown scenario {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+        parser.error(f"unknown scenario {', '.join(unknown)}; choose from "
+                     f"{', '.join(SCENARIOS + OWN_TABLE)}")
     if any(s in NEEDS_CHAT for s in names) and "chat" not in names:
         names = ("chat", *names)
-    args.scenarios = tuple(s for s in SCENARIOS if s in names)
+    args.scenarios = tuple(s for s in SCENARIOS + OWN_TABLE if s in names)
     loops = ("asyncio", "uvloop") if args.loop == "both" else tuple(
         s.strip() for s in args.loop.split(",") if s.strip())
     if not loops or any(loop not in LOOPS for loop in loops):
@@ -317,11 +322,17 @@ def main(argv: list[str] | None = None) -> int:
         for loop in args.loops:
             results.extend(run_all(args, loop, run))
     document = report(results, args)
+    if "prefix" in args.scenarios:
+        if not args.json:
+            print("running prefix (each policy on fresh backends) ...", file=sys.stderr)
+        document["prefix"] = load_prefix.run(args.proxy_cmd_list)
     text = json.dumps(document, indent=2)
     if args.json_file:
         with open(args.json_file, "w") as f:
             f.write(text + "\n")
     print(text if args.json else render(document, args, args.markdown))
+    if "prefix" in document and not args.json:
+        print("\n" + load_prefix.render(document["prefix"]))
     failed = any(r.errors for r in results) or not all(t["pass"] for t in document["targets"])
     return 1 if args.check and failed else 0
 

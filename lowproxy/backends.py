@@ -7,18 +7,26 @@ endpoint whose connection failed is skipped for a short cooldown while others
 remain. Endpoints added at run time (POST /instances/add, admin.py) live in
 memory beside the configured ones and survive DNS refreshes; a removed one
 takes no new requests, and its connections close once its requests finish.
+
+What the active checks learn (health.py) is kept here, per endpoint: health
+(out after PD_PROXY_HEALTH_FAILURES failed checks in a row, back after one
+success) and the models it serves with their max_model_len (GET /v1/models).
+Picks prefer healthy endpoints that serve the request's model; the model of
+the request being routed is ROUTED_MODEL, a context variable the proxy sets
+around each generation request, so the decode pick in dispatch needs no extra
+argument (tasks the request starts copy it).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import logging
-import random
 import time
-from collections import OrderedDict
-from typing import Iterable
+from contextvars import ContextVar
+from typing import Callable, Iterable
 
 from .config import EndpointSpec, split_host_port
+from .metrics import Counter
 from .upstream import Endpoint, Resolver, Upstream
 
 log = logging.getLogger("lowproxy.backends")
@@ -26,10 +34,28 @@ log = logging.getLogger("lowproxy.backends")
 COOLDOWN_SECONDS = 2.0
 HEADER_TARGETS_KEPT = 256  # pools kept for scheduler-named prefill targets
 
+# The model of the generation request being routed (None: any endpoint).
+ROUTED_MODEL: ContextVar[str | None] = ContextVar("lowproxy_routed_model", default=None)
+
+# One endpoint's models: served name -> max_model_len (None when not reported).
+ModelList = dict[str, "int | None"]
+
 
 class BackendGroup:
-    def __init__(self, role: str, specs: Iterable[EndpointSpec]) -> None:
+    def __init__(self, role: str, specs: Iterable[EndpointSpec],
+                 sent: Counter | None = None, failed: Counter | None = None) -> None:
         self.role = role
+        self.sent = sent  # per endpoint: requests sent (lowproxy_endpoint_requests_total)
+        self.failed = failed  # per endpoint: failures (lowproxy_endpoint_failures_total)
+        # health.py's knowledge, per endpoint
+        self.failed_checks: dict[Endpoint, int] = {}
+        self.checked: set[Endpoint] = set()
+        self.unhealthy: set[Endpoint] = set()
+        self.models: dict[Endpoint, ModelList] = {}
+        self.on_new: Callable[[Endpoint], None] | None = None  # an endpoint appeared
+        self._healthy: list[Endpoint] = []
+        self._serving: dict[str, list[Endpoint]] = {}  # by model: lists it, or unknown
+        self._healthy_serving: dict[str, list[Endpoint]] = {}
         self.specs = tuple(specs)
         self._static = [Endpoint(spec) for spec in self.specs if not spec.discover]
         self._discovered: dict[EndpointSpec, dict[str, Endpoint]] = {
@@ -39,14 +65,102 @@ class BackendGroup:
         # Removed while requests were in flight: swept until their connections close.
         self.retired: list[Endpoint] = []
         self._next = 0
+        self._reindex()
 
     @property
     def configured(self) -> bool:
         return bool(self.specs or self._added)
 
     def _rebuild(self) -> None:
+        before = set(self.endpoints)
         self.endpoints = self._static + [endpoint for known in self._discovered.values()
                                          for endpoint in known.values()] + self._added
+        present = set(self.endpoints)
+        for knowledge in (self.failed_checks, self.models):
+            for gone in [endpoint for endpoint in knowledge if endpoint not in present]:
+                del knowledge[gone]
+        self.checked &= present
+        self.unhealthy &= present
+        self._reindex()
+        if self.on_new is not None:
+            for endpoint in self.endpoints:
+                if endpoint not in before:
+                    self.on_new(endpoint)  # discovered or registered: learn it now
+
+    # -- what the active checks learned (health.py)
+
+    def record_check(self, endpoint: Endpoint, ok: bool, failures_allowed: int) -> bool:
+        """One health check's result; True when the endpoint's health changed."""
+        if endpoint not in self.endpoints:
+            return False  # removed while it was being checked
+        self.checked.add(endpoint)
+        was_out = endpoint in self.unhealthy
+        if ok:
+            self.failed_checks[endpoint] = 0
+            self.unhealthy.discard(endpoint)
+        else:
+            self.failed_checks[endpoint] = self.failed_checks.get(endpoint, 0) + 1
+            if self.failed is not None:
+                self.failed.inc(self.role, endpoint.label, "health")
+            if self.failed_checks[endpoint] >= failures_allowed:
+                self.unhealthy.add(endpoint)
+        changed = was_out != (endpoint in self.unhealthy)
+        if changed:
+            self._reindex()
+        return changed
+
+    def record_models(self, endpoint: Endpoint, models: ModelList) -> None:
+        if endpoint in self.endpoints and self.models.get(endpoint) != models:
+            self.models[endpoint] = models
+            self._reindex()
+
+    def health_state(self, endpoint: Endpoint) -> str:
+        if endpoint in self.unhealthy:
+            return "unhealthy"
+        return "healthy" if endpoint in self.checked else "unknown"
+
+    def lists_known(self) -> bool:
+        """Whether every endpoint's model list is known."""
+        return bool(self.endpoints) and all(e in self.models for e in self.endpoints)
+
+    def serves(self, model: str) -> bool:
+        return any(model in listed for listed in self.models.values())
+
+    def max_model_len(self, model: str | None) -> int | None:
+        """The largest context of the endpoints serving ``model``; None if any is unknown."""
+        if not self.lists_known():
+            return None
+        lengths = [length for listed in self.models.values() for name, length in listed.items()
+                   if model is None or name == model]
+        if not lengths or any(length is None for length in lengths):
+            return None
+        return max(length for length in lengths if length is not None)
+
+    def _reindex(self) -> None:
+        """The lists picks read: healthy endpoints, and those serving each model."""
+        self._healthy = [e for e in self.endpoints if e not in self.unhealthy]
+        names = {name for listed in self.models.values() for name in listed}
+        multi = len(names) > 1 or (names and len(self.models) < len(self.endpoints))
+        self._serving = {} if not multi else {
+            name: [e for e in self.endpoints if e not in self.models or name in self.models[e]]
+            for name in names}
+        self._healthy_serving = {name: [e for e in serving if e not in self.unhealthy]
+                                 for name, serving in self._serving.items()}
+
+    def candidates(self, model: str | None = None) -> list[Endpoint]:
+        """Healthy endpoints that may serve ``model`` (all healthy ones without a model).
+
+        With one model behind the group, or none known, every healthy endpoint.
+        """
+        if model is None or not self._serving:
+            return self._healthy
+        return self._healthy_serving.get(model, self._healthy)
+
+    def serving(self, model: str | None = None) -> list[Endpoint]:
+        """Endpoints that may serve ``model``, whatever their health."""
+        if model is None or not self._serving:
+            return self.endpoints
+        return self._serving.get(model, self.endpoints)
 
     def source(self, endpoint: Endpoint) -> str:
         """Where an endpoint came from: static (a URL), dns (discovered) or admin."""
@@ -92,17 +206,24 @@ class BackendGroup:
         now = time.monotonic() if now is None else now
         return sum(1 for endpoint in self.endpoints if endpoint.usable(now))
 
+    def ready_count(self) -> int:
+        """Endpoints neither cooling down nor out after failed health checks."""
+        now = time.monotonic()
+        return sum(1 for endpoint in self._healthy if endpoint.usable(now))
+
     def in_cooldown(self) -> int:
         now = time.monotonic()
         return sum(1 for endpoint in self.endpoints if not endpoint.usable(now))
 
     def pick_least_loaded(self, exclude: tuple[Endpoint, ...] = ()) -> Endpoint | None:
-        """Fewest requests in flight; ties go round robin."""
-        endpoints = self.endpoints
+        """Fewest requests in flight among healthy endpoints; ties go round robin."""
+        endpoints = self.candidates(ROUTED_MODEL.get())
         count = len(endpoints)
         if count == 1:
             only = endpoints[0]
-            return only if only not in exclude and only.usable(time.monotonic()) else None
+            if only not in exclude and only.usable(time.monotonic()):
+                return self.count_sent(only)
+            return None
         now = time.monotonic()
         best: Endpoint | None = None
         start = self._next
@@ -113,33 +234,45 @@ class BackendGroup:
             if best is None or endpoint.in_flight < best.in_flight:
                 best = endpoint
         self._next = (start + 1) % count if count else 0
-        return best
+        return self.count_sent(best)
 
-    def pick_round_robin(self, exclude: tuple[Endpoint, ...] = ()) -> Endpoint | None:
-        endpoints = self.endpoints
+    def pick_round_robin(self, exclude: tuple[Endpoint, ...] = (),
+                         model: str | None = None) -> Endpoint | None:
+        endpoints = self.candidates(model)
         count = len(endpoints)
         now = time.monotonic()
         for _ in range(count):
             endpoint = endpoints[self._next % count]
             self._next = (self._next + 1) % count
             if endpoint not in exclude and endpoint.usable(now):
-                return endpoint
+                return self.count_sent(endpoint)
         return None
 
-    def soonest_usable(self) -> Endpoint | None:
+    def count_sent(self, endpoint: Endpoint | None) -> Endpoint | None:
+        if endpoint is not None and self.sent is not None:
+            self.sent.inc(self.role, endpoint.label)
+        return endpoint
+
+    def soonest_usable(self, model: str | None = None) -> Endpoint | None:
         """With every endpoint cooling down, the one whose cooldown ends first.
 
         A cooldown only prefers the others. With none left, skipping would turn
         one refused connection into seconds of outage, and behind a Service VIP
         (one URL, many pods) the next connection may well reach a live pod.
+        Healthy endpoints come first; with none, an unhealthy one is tried
+        (its check may be stale by up to an interval).
         """
-        if not self.endpoints:
+        model = model if model is not None else ROUTED_MODEL.get()
+        endpoints = self.candidates(model) or self.serving(model)
+        if not endpoints:
             return None
-        return min(self.endpoints, key=lambda endpoint: endpoint.cooldown_until)
+        return self.count_sent(min(endpoints, key=lambda endpoint: endpoint.cooldown_until))
 
-    @staticmethod
-    def cool_down(endpoint: Endpoint) -> None:
+    def cool_down(self, endpoint: Endpoint) -> None:
+        """A connection to ``endpoint`` failed (passive health)."""
         endpoint.cooldown_until = time.monotonic() + COOLDOWN_SECONDS
+        if self.failed is not None:
+            self.failed.inc(self.role, endpoint.label, "unreachable")
 
     async def refresh(self, resolver: Resolver, upstream: Upstream) -> None:
         """Resolve every dns+ name again; keep endpoints (and pools) that remain."""
@@ -199,73 +332,3 @@ class PrefillTargetAllowList:
         except ValueError:
             return False
         return any(address in network for network in self.networks)
-
-
-class TargetRefused(Exception):
-    """A scheduler-named prefill target that may not be used; ``status`` is the answer."""
-
-    def __init__(self, status: int, message: str, target: str = "") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.target = target
-
-
-class PrefillChooser:
-    """Which prefill endpoint a request's prefill leg goes to.
-
-    A scheduler's choice (``x-prefiller-host-port``, llm-d's convention) wins
-    when the allow list admits it; otherwise round robin over the group. A
-    named target that is one of the group's endpoints uses that endpoint (its
-    pool, its ``#bootstrap_port``); others get endpoints of their own, kept in
-    a bounded LRU so their pools are reused.
-    """
-
-    def __init__(self, group: BackendGroup, allow: PrefillTargetAllowList,
-                 upstream: Upstream) -> None:
-        self.group = group
-        self.allow = allow
-        self.upstream = upstream
-        self.named: OrderedDict[tuple[str, int], Endpoint] = OrderedDict()
-
-    def choose(self, named_header: bytes | None) -> Endpoint | None:
-        if named_header is not None and self.allow.enabled:
-            targets = self._named_targets(named_header)
-            if targets:
-                return self._named_endpoint(random.choice(targets))
-        endpoint = self.group.pick_round_robin()
-        if endpoint is None:
-            endpoint = self.group.soonest_usable()  # all cooling down: try one anyway
-        return endpoint
-
-    def _named_targets(self, header: bytes) -> list[tuple[str, int]]:
-        targets = []
-        for item in header.decode("latin-1").split(","):
-            if not item.strip():
-                continue
-            try:
-                host, port = split_host_port(item)
-            except ValueError:
-                port = None
-            if port is None:
-                raise TargetRefused(400, "x-prefiller-host-port must be host:port")
-            if not self.allow.allows(host, port):
-                raise TargetRefused(403, "prefill target not allowed", f"{host}:{port}")
-            targets.append((host, port))
-        return targets
-
-    def _named_endpoint(self, key: tuple[str, int]) -> Endpoint:
-        for configured in self.group.endpoints:
-            if (configured.connect_host, configured.port) == key:
-                return configured
-        endpoint = self.named.get(key)
-        if endpoint is not None:
-            self.named.move_to_end(key)
-            return endpoint
-        scheme = self.group.specs[0].scheme if self.group.specs else "http"
-        endpoint = Endpoint(EndpointSpec(scheme, key[0], key[1]))
-        self.named[key] = endpoint
-        while len(self.named) > HEADER_TARGETS_KEPT:
-            _, evicted = self.named.popitem(last=False)
-            self.upstream.close_idle(evicted)
-        return endpoint

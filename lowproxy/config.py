@@ -44,6 +44,17 @@ class ConfigError(ValueError):
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
 
 
+def _ratio(text: str) -> float:
+    """A finite number >= 0 (the affinity slack)."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
+    if not 0 <= value < float("inf"):
+        raise ValueError(f"{text!r} must be a finite number >= 0")
+    return value
+
+
 def _key_list(text: str) -> tuple[str, ...]:
     """Comma-separated keys (lowproxy/keys.py); never echoed in an error."""
     return tuple(item.strip() for item in text.split(",") if item.strip())
@@ -185,6 +196,38 @@ SETTINGS: tuple[Setting, ...] = (
         allow_list, "", "hosts, host:port pairs or CIDRs a x-prefiller-host-port header "
         "may name; empty: the header is ignored", repeatable=True,
     ),
+    # -- routing like a scheduler (issue 15): health, models, prefill choice
+    Setting(
+        "health_interval", "PD_PROXY_HEALTH_INTERVAL_SECONDS", "--health-interval",
+        seconds_value, "5", "how often each prefill and decode endpoint gets GET /health and "
+        "GET /v1/models; 0: no checks and no model lists (nothing sent of lowproxy's own)",
+    ),
+    Setting(
+        "health_timeout", "PD_PROXY_HEALTH_TIMEOUT_SECONDS", "--health-timeout",
+        seconds_value, "2", "bound on one health check or model list request",
+    ),
+    Setting(
+        "health_failures", "PD_PROXY_HEALTH_FAILURES", "--health-failures", int_in(1, 1000),
+        "2", "failed checks in a row that take an endpoint out (one success brings it back)",
+    ),
+    Setting(
+        "prefill_policy", "PD_PROXY_PREFILL_POLICY", "--prefill-policy",
+        choice("affinity", "least-loaded", "round-robin"), "affinity",
+        "prefill choice without a scheduler header: affinity (prompt prefix, bounded "
+        "loads), least-loaded (outstanding prompt bytes) or round-robin",
+    ),
+    Setting(
+        "affinity_slack", "PD_PROXY_AFFINITY_SLACK", "--affinity-slack", _ratio, "0.25",
+        "affinity: no prefill endpoint above (1 + slack) x the average outstanding prompt "
+        "bytes",
+    ),
+    Setting(
+        "min_prefill_prompt_bytes", "PD_PROXY_MIN_PREFILL_PROMPT_BYTES",
+        "--min-prefill-prompt-bytes", int_in(0, 2**40), "0",
+        "prompts with less text than this go to decode alone (prefill skipped, reason "
+        "short); 0: always disaggregate",
+    ),
+    # -- end of routing
     Setting(
         "upstream_keepalive", "PD_PROXY_UPSTREAM_KEEPALIVE", "--upstream-keepalive", bool_value,
         "1", "keep upstream connections alive in a pool; 0: one connection per call",
@@ -285,6 +328,15 @@ class Config:
     sglang_bootstrap_port: int = 8998
     dns_refresh: float = 10.0
     prefill_header_allow: tuple[str, ...] = ()
+    # -- routing (issue 15). A Config() built in code routes as lowproxy did before:
+    # no checks, nothing sent to backends of its own, prefill round robin; the
+    # defaults of load_config (the daemon) are SETTINGS': 5 s and affinity.
+    health_interval: float = 0.0
+    health_timeout: float = 2.0
+    health_failures: int = 2
+    prefill_policy: str = "round-robin"
+    affinity_slack: float = 0.25
+    min_prefill_prompt_bytes: int = 0
     upstream_keepalive: bool = True
     upstream_max_requests: int = 1000
     upstream_max_age: float = 30.0

@@ -196,6 +196,27 @@ class Metrics:
         self.tasks = Gauge("lowproxy_asyncio_tasks",
                            "asyncio tasks alive in this process (a leak shows here first).",
                            read=lambda: [((), len(asyncio.all_tasks()))])
+        # per endpoint (issue 15); health and in flight are read from the groups
+        self.endpoint_requests = Counter(
+            "lowproxy_endpoint_requests_total",
+            "Requests sent to each backend endpoint (every attempt), by role.",
+            ("role", "endpoint"))
+        self.endpoint_failures = Counter(
+            "lowproxy_endpoint_failures_total",
+            "Failures of each backend endpoint: unreachable (a connection failed under a "
+            "request) or health (a failed health check).", ("role", "endpoint", "kind"))
+        self.endpoint_health = Gauge(
+            "lowproxy_endpoint_health",
+            "1 for each endpoint's health state (healthy, unhealthy, unknown: not checked "
+            "yet); summed over workers, the workers that see it so.",
+            ("role", "endpoint", "state"))
+        self.endpoint_in_flight = Gauge("lowproxy_endpoint_in_flight",
+                                        "Requests in flight on each backend endpoint.",
+                                        ("role", "endpoint"))
+        self.prefill_choice = Counter(
+            "lowproxy_prefill_choice_total",
+            "Prefill endpoint choices by reason (header, affinity, load, round-robin).",
+            ("reason",))
         self.client_connections.set(0)
         self.in_flight.set(0)
         # Set by the daemon when workers share one port: the other workers' values.
@@ -205,7 +226,9 @@ class Metrics:
         return [self.requests, self.prefill_legs, self.decode_legs, self.request_duration,
                 self.prefill_duration, self.decode_first_byte, self.bootstrap_duration,
                 self.client_connections, self.in_flight, self.upstream_connections,
-                self.cooldown, self.bootstrap_entries, self.tasks]
+                self.cooldown, self.bootstrap_entries, self.tasks, self.endpoint_requests,
+                self.endpoint_failures, self.endpoint_health, self.endpoint_in_flight,
+                self.prefill_choice]
 
     def snapshot(self) -> Snapshot:
         """This process's values in plain JSON types (gauge callbacks read now)."""

@@ -16,7 +16,8 @@ from typing import Iterable
 
 from . import answers, logs
 from .admin import Instances
-from .backends import BackendGroup, PrefillChooser, PrefillTargetAllowList, TargetRefused
+from .affinity import PromptFacts, prompt_facts
+from .backends import ROUTED_MODEL, BackendGroup, PrefillTargetAllowList
 from .client_body import BodyError, parse_client_body, wants_stream, without_client_kv
 from .config import Config
 from .dispatch import Dispatcher
@@ -26,10 +27,12 @@ from .handshakes.legs import Plan, decode_only_plan, serialise
 from .handshakes.planner import plan_generation
 from .handshakes.rules import decode_would_reject
 from .headers import forwarded_request_headers, header_value
+from .health import HealthMonitor
 from .ids import Ids
 from .keys import BackendKey, ClientKeys
 from .messages import ClientRequest, ResponseWriter
 from .metrics import Metrics
+from .prefill_choice import PrefillChooser, TargetRefused
 from .routes import ADMIN, CHAT, GENERATION, HEALTH, METRICS, READY, classify, surface_of
 from .tls import TrustStore
 from .tracing import Tracing, trace_context
@@ -49,10 +52,12 @@ class Proxy:
         if config.ca_file:
             self.trust.context()  # a missing or unusable bundle stops the start
         self.upstream = Upstream(config, self.trust)
-        self.prefill = BackendGroup("prefill", config.prefill)
-        self.decode = BackendGroup("decode", config.decode)
+        counted = (self.metrics.endpoint_requests, self.metrics.endpoint_failures)
+        self.prefill = BackendGroup("prefill", config.prefill, *counted)
+        self.decode = BackendGroup("decode", config.decode, *counted)
         self.prefill_choice = PrefillChooser(
-            self.prefill, PrefillTargetAllowList(config.prefill_header_allow), self.upstream)
+            self.prefill, PrefillTargetAllowList(config.prefill_header_allow), self.upstream,
+            config.prefill_policy, config.affinity_slack, self.metrics.prefill_choice)
         self.bootstrap = BootstrapCache(self.upstream, config.mooncake_bootstrap_port,
                                         on_query=self._bootstrap_observed)
         self.tracing = Tracing.create(config.otel)
@@ -64,6 +69,8 @@ class Proxy:
         self.client_keys = ClientKeys(config.client_api_keys, config.client_api_keys_file)
         self.instances = Instances(config.admin_api_key, self.prefill, self.decode,
                                    self.upstream, self.backend_key)
+        self.health = HealthMonitor(config, self.upstream, self.prefill, self.decode,
+                                    self.backend_key)
         self.draining = False
         self.ids = Ids()  # generated request ids, transfer ids and rids
         self._maintenance: asyncio.Task[None] | None = None
@@ -75,6 +82,7 @@ class Proxy:
         loop = asyncio.get_running_loop()
         self.dispatch.start(loop)
         await self.refresh_discovery()
+        self.health.start(loop)  # checks and model lists, in the background
         self._maintenance = loop.create_task(self._maintain())
 
     async def refresh_discovery(self) -> None:
@@ -97,6 +105,7 @@ class Proxy:
         """Stop background work; prefill legs in flight get ``grace`` seconds."""
         if self._maintenance is not None:
             self._maintenance.cancel()
+        await self.health.close()
         await self.dispatch.close(grace)
         for endpoint in self.all_endpoints():
             self.upstream.close_idle(endpoint)
@@ -211,8 +220,9 @@ class Proxy:
     async def _ready(self, responder: ResponseWriter) -> None:
         if self.draining:
             reason = "draining"
-        elif not self.decode.usable_count():
+        elif not self.decode.ready_count():
             reason = ("no decode endpoint configured" if not self.decode.configured
+                      else "no healthy decode endpoint" if self.decode.usable_count()
                       else "no usable decode endpoint")
         else:
             await self._local(responder, READY, 200, answers.READY_OK)
@@ -236,8 +246,13 @@ class Proxy:
             await responder.send_bytes(400, answers.invalid_request(*rejected))
             return
         exchange.wants_stream = wants_stream(body)
+        model = body.get("model") if isinstance(body.get("model"), str) else None
+        refused_here = await self.health.refuse(model, body)  # model knowledge: 404, 400
+        if refused_here is not None:
+            await responder.send_bytes(*refused_here)
+            return
         try:
-            prefill = self.prefill_choice.choose(request.header(b"x-prefiller-host-port"))
+            named = self.prefill_choice.named_target(request.header(b"x-prefiller-host-port"))
         except TargetRefused as refused:
             if refused.target:  # client bytes go in a field, escaped, not in the message
                 logs.warn(log, "refused prefill target: not in PD_PROXY_PREFILL_HEADER_ALLOW",
@@ -248,10 +263,24 @@ class Proxy:
         responder.watch_client()
         exchange.handshake = self.config.kv_protocol
         exchange.surface = surface
-        planning = plan_generation(self.config, self.bootstrap, self.ids, surface,
-                                   request.target, body, prefill, self.prefill.configured)
+        facts = self._prompt_facts(surface, body)
+        lease = self.prefill_choice.lease(named, facts, model)
+        planning = plan_generation(self.config, self.bootstrap, self.ids, surface, request.target,
+                                   body, lease, lease.configured, facts.size)
         del body  # the plan holds it until decode's response is open, and no longer
-        await self.dispatch.run(exchange, responder, planning)
+        routed = ROUTED_MODEL.set(model)  # decode's pick: endpoints serving the model
+        try:
+            await self.dispatch.run(exchange, responder, planning)
+        finally:
+            ROUTED_MODEL.reset(routed)
+            lease.release()
+
+    def _prompt_facts(self, surface: str, body: dict) -> PromptFacts:
+        """The prefix key and prompt size, when a setting reads them."""
+        config = self.config
+        if config.prefill_policy == "round-robin" and not config.min_prefill_prompt_bytes:
+            return PromptFacts(None, None)
+        return prompt_facts(surface, body)
 
     async def _passthrough(self, exchange: Exchange, responder: ResponseWriter) -> None:
         request = exchange.request
@@ -293,6 +322,8 @@ class Proxy:
         metrics.cooldown.read = lambda: [(("prefill",), self.prefill.in_cooldown()),
                                          (("decode",), self.decode.in_cooldown())]
         metrics.bootstrap_entries.read = lambda: [((), len(self.bootstrap))]
+        metrics.endpoint_health.read = self.health.health_states
+        metrics.endpoint_in_flight.read = self.health.in_flight
 
 
 async def _ready_plan(plan: Plan) -> Plan:

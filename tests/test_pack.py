@@ -304,6 +304,7 @@ async def test_single_file_proxies_a_real_request(pyz: Path, which: str) -> None
     prefill, decode = await start_pair()
     daemon = PyzDaemon(python, pyz, [], {
         "PD_PROXY_HOST": "127.0.0.1", "PD_PROXY_PORT": "0",
+        "PD_PROXY_HEALTH_INTERVAL_SECONDS": "0",  # the backends see the legs alone
         "PD_PROXY_PREFILL_URL": prefill.url, "PD_PROXY_DECODE_URL": decode.url,
     })
     try:
@@ -357,6 +358,7 @@ async def test_single_file_reaches_an_https_backend_with_a_ca_file(pyz: Path,
     backend_port = server.sockets[0].getsockname()[1]
     daemon = PyzDaemon(sys.executable, pyz, [], {
         "PD_PROXY_HOST": "127.0.0.1", "PD_PROXY_PORT": "0",
+        "PD_PROXY_HEALTH_INTERVAL_SECONDS": "0",  # the backends see the legs alone
         "PD_PROXY_DECODE_URL": f"https://localhost:{backend_port}",
         "PD_PROXY_CA_FILE": str(ca_file),
     })

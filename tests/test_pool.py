@@ -50,7 +50,8 @@ async def counted_decode(ssl_context: ssl.SSLContext | None = None, **kw
 
 def env_config(decode_url: str, **env: str):
     """A Config built from PD_PROXY_* variables, as the daemon builds it."""
-    environ = {"PD_PROXY_DECODE_URL": decode_url}
+    # No health checks: their connections would be counted with the requests'.
+    environ = {"PD_PROXY_DECODE_URL": decode_url, "PD_PROXY_HEALTH_INTERVAL_SECONDS": "0"}
     environ.update(env)
     config, _ = load_config([], environ)
     return config

@@ -55,7 +55,8 @@ def worker_daemon(prefill: DemoBackend, decode: DemoBackend, *extra: str,
                   env: dict[str, str] | None = None) -> Daemon:
     return Daemon(["--workers", "2", "--host", "127.0.0.1", "--port", "0",
                    "--prefill", prefill.url, "--decode", decode.url, "--loop", "asyncio",
-                   *extra], env)
+                   # no health checks: the backends' counts are the requests' alone
+                   "--health-interval", "0", *extra], env)
 
 
 async def started(daemon: Daemon, workers: int = 2) -> int:

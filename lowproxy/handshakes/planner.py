@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from ..config import Config
 from ..ids import Ids
@@ -18,7 +18,7 @@ from ..routes import CHAT, COMPLETIONS
 from . import mooncake, relay, sglang
 from .bootstrap import BootstrapCache, BootstrapError
 from .legs import Body, Plan, decode_only_plan, serialise
-from .rules import cannot_hand_off
+from .rules import SHORT, cannot_hand_off, too_short
 
 # What SGLang's PD serves with bootstrap fields; other surfaces go to decode alone.
 SGLANG_SURFACES = (CHAT, COMPLETIONS)
@@ -27,21 +27,35 @@ NOT_ON_SGLANG = "not-on-sglang"
 _rooms = random.SystemRandom()
 
 
+def skip_reason(config: Config, surface: str, body: Body, prompt_bytes: int | None
+                ) -> str | None:
+    """Why this request goes to decode alone although prefill is configured; else None."""
+    skipped = cannot_hand_off(surface, body)
+    if skipped is None and config.kv_protocol == "sglang" and surface not in SGLANG_SURFACES:
+        skipped = NOT_ON_SGLANG
+    if skipped is None and too_short(prompt_bytes, config.min_prefill_prompt_bytes):
+        skipped = SHORT
+    return skipped
+
+
 async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids, surface: str,
-                          target: bytes, body: Body, prefill: Any,
-                          prefill_configured: bool) -> Plan:
-    """The plan for one generation request whose prefill leg would go to ``prefill``."""
+                          target: bytes, body: Body, choose_prefill: Callable[[], Any],
+                          prefill_configured: bool, prompt_bytes: int | None = None) -> Plan:
+    """The plan for one generation request; ``choose_prefill()`` names its prefill endpoint.
+
+    The prefill endpoint is chosen only for a request that will have a prefill
+    leg, so a skipped request counts no prefill choice and no prefill load.
+    """
     handshake = config.kv_protocol
-    if prefill is None and not prefill_configured:
+    if not prefill_configured:
         # No prefill configured: decode computes the prompt itself, no handshake.
         return decode_only_plan(b"POST", target, serialise(body), handshake)
-    skipped = cannot_hand_off(surface, body)
-    if skipped is None and handshake == "sglang" and surface not in SGLANG_SURFACES:
-        skipped = NOT_ON_SGLANG
+    skipped = skip_reason(config, surface, body, prompt_bytes)
     if skipped is not None:
         # Decode gets the client's request unchanged and computes the prompt.
         return decode_only_plan(b"POST", target, serialise(body), handshake,
                                 skip_reason=skipped)
+    prefill = choose_prefill()
     if prefill is None:  # dns+ names that resolve to no address
         return decode_only_plan(b"POST", target, None, handshake, client_body=body,
                                 prefill_failure="no usable prefill endpoint")

@@ -51,6 +51,13 @@ PROMPT_LOGPROBS = "prompt-logprobs"
 STORED_CONVERSATION = "stored-conversation"
 BACKGROUND = "background"
 NO_SAMPLING_PARAMS = "no-sampling-params"
+SHORT = "short"  # PD_PROXY_MIN_PREFILL_PROMPT_BYTES
+
+
+def too_short(prompt_bytes: int | None, minimum: int) -> bool:
+    """A prompt with less text than ``minimum`` bytes: computing it on decode costs
+    less than a KV transfer. An unmeasurable prompt (None) is never short."""
+    return minimum > 0 and prompt_bytes is not None and prompt_bytes < minimum
 
 
 def decode_would_reject(body: Body, surface: str = CHAT) -> tuple[str, str] | None:
