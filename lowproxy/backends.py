@@ -11,10 +11,8 @@ takes no new requests, and its connections close once its requests finish.
 What the active checks learn (health.py) is kept here, per endpoint: health
 (out after PD_PROXY_HEALTH_FAILURES failed checks in a row, back after one
 success) and the models it serves with their max_model_len (GET /v1/models).
-Picks prefer healthy endpoints that serve the request's model; the model of
-the request being routed is ROUTED_MODEL, a context variable the proxy sets
-around each generation request, so the decode pick in dispatch needs no extra
-argument (tasks the request starts copy it).
+Picks prefer healthy endpoints that serve the request's model (passed in by
+the caller; None when the request names none).
 """
 
 from __future__ import annotations
@@ -22,7 +20,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import time
-from contextvars import ContextVar
 from typing import Callable, Iterable
 
 from .config import EndpointSpec, split_host_port
@@ -35,7 +32,6 @@ COOLDOWN_SECONDS = 2.0
 HEADER_TARGETS_KEPT = 256  # pools kept for scheduler-named prefill targets
 
 # The model of the generation request being routed (None: any endpoint).
-ROUTED_MODEL: ContextVar[str | None] = ContextVar("lowproxy_routed_model", default=None)
 
 # One endpoint's models: served name -> max_model_len (None when not reported).
 ModelList = dict[str, "int | None"]
@@ -215,9 +211,10 @@ class BackendGroup:
         now = time.monotonic()
         return sum(1 for endpoint in self.endpoints if not endpoint.usable(now))
 
-    def pick_least_loaded(self, exclude: tuple[Endpoint, ...] = ()) -> Endpoint | None:
+    def pick_least_loaded(self, exclude: tuple[Endpoint, ...] = (),
+                          model: str | None = None) -> Endpoint | None:
         """Fewest requests in flight among healthy endpoints; ties go round robin."""
-        endpoints = self.candidates(ROUTED_MODEL.get())
+        endpoints = self.candidates(model)
         count = len(endpoints)
         if count == 1:
             only = endpoints[0]
@@ -262,7 +259,6 @@ class BackendGroup:
         Healthy endpoints come first; with none, an unhealthy one is tried
         (its check may be stale by up to an interval).
         """
-        model = model if model is not None else ROUTED_MODEL.get()
         endpoints = self.candidates(model) or self.serving(model)
         if not endpoints:
             return None

@@ -328,13 +328,11 @@ class Config:
     sglang_bootstrap_port: int = 8998
     dns_refresh: float = 10.0
     prefill_header_allow: tuple[str, ...] = ()
-    # -- routing (issue 15). A Config() built in code routes as lowproxy did before:
-    # no checks, nothing sent to backends of its own, prefill round robin; the
-    # defaults of load_config (the daemon) are SETTINGS': 5 s and affinity.
-    health_interval: float = 0.0
+    # -- routing: the same defaults as SETTINGS (health checks every 5 s, affinity)
+    health_interval: float = 5.0
     health_timeout: float = 2.0
     health_failures: int = 2
-    prefill_policy: str = "round-robin"
+    prefill_policy: str = "affinity"
     affinity_slack: float = 0.25
     min_prefill_prompt_bytes: int = 0
     upstream_keepalive: bool = True

@@ -219,9 +219,10 @@ class Dispatcher:
         tried: tuple[Endpoint, ...] = ()
         last_error = "no decode backend configured"
         while True:
-            endpoint = self.decode.pick_least_loaded(tried)
+            endpoint = self.decode.pick_least_loaded(tried, exchange.model)
             if endpoint is None and not tried:
-                endpoint = self.decode.soonest_usable()  # all cooling down: try one anyway
+                # All cooling down: try one anyway.
+                endpoint = self.decode.soonest_usable(exchange.model)
             if endpoint is None:
                 raise NoDecode(last_error)
             exchange.decode_endpoint = endpoint
@@ -413,6 +414,8 @@ class Dispatcher:
             self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
             plan.prefill_body, plan.prefill_headers, want_kv, self.config.prefill_timeout,
             plan.surface if self.config.rewrite_cached_tokens else None)
+        if plan.on_prefill_done is not None:
+            plan.on_prefill_done()  # its outstanding prompt bytes no longer load it
         if result.outcome == "unreachable":
             self.prefill.cool_down(endpoint)
             result.outcome = "error"

@@ -34,6 +34,7 @@ class Exchange:
     abort_rid: str | None = None  # SGLang: the rid both legs carry, to abort them by
     decode_endpoint: Any = None  # where the decode leg went (an upstream Endpoint)
     surface: str | None = None  # the generation surface (routes.CHAT, ...), if one
+    model: str | None = None  # the model a generation request names (routes its legs)
     prefill_cached_tokens: int | None = None  # the prefill's figure, for decode's usage
 
     def elapsed_ms(self) -> float:

@@ -17,7 +17,7 @@ from typing import Iterable
 from . import answers, logs
 from .admin import Instances
 from .affinity import PromptFacts, prompt_facts
-from .backends import ROUTED_MODEL, BackendGroup, PrefillTargetAllowList
+from .backends import BackendGroup, PrefillTargetAllowList
 from .client_body import BodyError, parse_client_body, wants_stream, without_client_kv
 from .config import Config
 from .dispatch import Dispatcher
@@ -266,13 +266,12 @@ class Proxy:
         facts = self._prompt_facts(surface, body)
         lease = self.prefill_choice.lease(named, facts, model)
         planning = plan_generation(self.config, self.bootstrap, self.ids, surface, request.target,
-                                   body, lease, lease.configured, facts.size)
+                                   body, lease, lease.configured, facts.size, lease.release)
         del body  # the plan holds it until decode's response is open, and no longer
-        routed = ROUTED_MODEL.set(model)  # decode's pick: endpoints serving the model
+        exchange.model = model  # decode's pick: endpoints serving the model
         try:
             await self.dispatch.run(exchange, responder, planning)
         finally:
-            ROUTED_MODEL.reset(routed)
             lease.release()
 
     def _prompt_facts(self, surface: str, body: dict) -> PromptFacts:

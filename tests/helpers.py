@@ -135,6 +135,10 @@ def config_for(prefill: Iterable[str] | str = (), decode: Iterable[str] | str = 
     decode = [decode] if isinstance(decode, str) else list(decode)
     overrides.setdefault("host", "127.0.0.1")
     overrides.setdefault("port", 0)
+    # Most tests count backend requests exactly and expect prefill legs in turn:
+    # no background health checks, round robin, unless a test asks otherwise.
+    overrides.setdefault("health_interval", 0.0)
+    overrides.setdefault("prefill_policy", "round-robin")
     return Config(prefill=tuple(parse_endpoint(u) for u in prefill),
                   decode=tuple(parse_endpoint(u) for u in decode), **overrides)
 

@@ -40,7 +40,8 @@ def skip_reason(config: Config, surface: str, body: Body, prompt_bytes: int | No
 
 async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids, surface: str,
                           target: bytes, body: Body, choose_prefill: Callable[[], Any],
-                          prefill_configured: bool, prompt_bytes: int | None = None) -> Plan:
+                          prefill_configured: bool, prompt_bytes: int | None = None,
+                          release_prefill: Callable[[], None] | None = None) -> Plan:
     """The plan for one generation request; ``choose_prefill()`` names its prefill endpoint.
 
     The prefill endpoint is chosen only for a request that will have a prefill
@@ -59,6 +60,15 @@ async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids, s
     if prefill is None:  # dns+ names that resolve to no address
         return decode_only_plan(b"POST", target, None, handshake, client_body=body,
                                 prefill_failure="no usable prefill endpoint")
+    plan = await _two_legs(config, bootstrap, ids, surface, target, body, prefill)
+    plan.on_prefill_done = release_prefill
+    return plan
+
+
+async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, surface: str,
+                    target: bytes, body: Body, prefill: Any) -> Plan:
+    """The configured handshake's plan, with its prefill leg going to ``prefill``."""
+    handshake = config.kv_protocol
     if handshake == "relay":
         return relay.plan(body, target, prefill, surface, config.forward_prompt_token_ids)
     if handshake == "sglang":
