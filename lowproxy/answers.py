@@ -45,6 +45,13 @@ def invalid_request(param: str, message: str) -> bytes:
                                 "param": param, "code": 400}})
 
 
+def model_not_found(model: str) -> bytes:
+    """OpenAI's answer for a model no backend serves (its shape, param named)."""
+    return json_body({"error": {
+        "message": f"The model `{model}` does not exist.", "type": "invalid_request_error",
+        "param": "model", "code": "model_not_found"}})
+
+
 def shutting_down() -> bytes:
     return json_body({"error": {"message": "shutting down", "type": "unavailable"}})
 

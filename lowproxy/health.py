@@ -60,13 +60,6 @@ def parse_models(raw: bytes) -> ModelList | None:
     return models
 
 
-def model_not_found(model: str) -> bytes:
-    """OpenAI's answer for an unknown model (its shape, with param named)."""
-    return answers.json_body({"error": {
-        "message": f"The model `{model}` does not exist.", "type": "invalid_request_error",
-        "param": "model", "code": "model_not_found"}})
-
-
 class HealthMonitor:
     """Runs the checks of every endpoint of ``groups``; answers model questions."""
 
@@ -205,7 +198,7 @@ class HealthMonitor:
             if self._done <= first:
                 await self.refreshed_after(first)
             if decode.lists_known() and not decode.serves(model):
-                return 404, model_not_found(model)
+                return 404, answers.model_not_found(model)
             self._missing.pop(model, None)
         limit = decode.max_model_len(model)
         if limit is None:
@@ -233,4 +226,4 @@ class HealthMonitor:
                 yield (group.role, endpoint.label), float(endpoint.in_flight)
 
 
-__all__ = ["HealthMonitor", "model_not_found", "parse_models"]
+__all__ = ["HealthMonitor", "parse_models"]
