@@ -22,7 +22,11 @@ and misbehave on that request only; client faults are played by the client.
   slow_reader      the client reads a long stream slowly
   decode_stray_same   decode's answer ends, and a second whole response follows
                       in the same write
-  decode_stray_later  the same stray response, a moment later on the idle connection
+  decode_stray_later  the same stray response as a write of its own, a moment later,
+                      while the connection is idle in the proxy's pool (the gate
+                      skips it when the proxy has already sent its next request:
+                      a stray that arrives after that is, to any HTTP/1.1 client,
+                      the answer; "strays_later" in the summary counts both)
   decode_hangs_up     decode reads the whole POST and hangs up before any response
                       byte (the first time it sees that request; a repeat is served)
   decode_cl_chunked   decode's answer carries Content-Length beside
@@ -38,7 +42,9 @@ request's answer or a stray one, told by x-soak-id, or a body that is not what
 decode sent, or Content-Length beside Transfer-Encoding), "unexpected" (an
 answer, but not the expected one), "lost" (no answer and no error: the
 connection closed without a status line, or nothing came within
---request-timeout) or "vanished" (the client left on purpose). The backends
+--request-timeout) or "vanished" (the client left on purpose, vanish_body and
+vanish_stream: not a failure, one per such fault played). A stray response names
+the answer it trailed in its x-soak-id (stray-same-s12, stray-later-s12). The backends
 count the generation requests they receive per soak id: one received twice is
 "generated twice" (the proxy sent a POST again, RFC 9110 9.2.2).
 
@@ -165,6 +171,7 @@ async def run(args: argparse.Namespace) -> int:
                                     list(twice.items())[:20]]:
             say(f"  {line}")
         summary = summarise(args, soak, elapsed, twice, before, after, alive, bool(failed))
+        summary["strays_later"] = dict(gate.strays)  # how much decode_stray_later tested
         say(json.dumps({"soak": summary}))
         return 0 if summary["ok"] else 1
     finally:

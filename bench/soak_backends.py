@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import select
 from collections import Counter
 from typing import Any
 
@@ -26,12 +27,18 @@ from lowproxy.demo import DemoBackend, KvRegistry
 from lowproxy.messages import AbortResponse
 
 # A whole second response, as a backend that owes one answer might write two.
-# Its x-soak-id names no request: a client that receives it got a stray answer.
 STRAY_BODY = json_body({"id": "chatcmpl-stray", "object": "chat.completion",
                         "choices": [{"index": 0, "finish_reason": "stop",
                                      "message": {"role": "assistant", "content": "stray"}}]})
-STRAY = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-soak-id: stray\r\n"
-         b"content-length: %d\r\n\r\n" % len(STRAY_BODY)) + STRAY_BODY
+
+
+def stray(kind: str, soak_id: str | None) -> bytes:
+    """The stray response written after ``soak_id``'s answer. Its x-soak-id
+    (``stray-same-s12``, ``stray-later-s12``) names no request, so a client that
+    receives it got a stray answer, and says which fault and answer it trailed."""
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"x-soak-id: stray-%s-%s\r\ncontent-length: %d\r\n\r\n"
+            % (kind.encode(), (soak_id or "").encode(), len(STRAY_BODY))) + STRAY_BODY
 # Sent beside Transfer-Encoding: chunked, smaller than any answer: a peer that
 # framed by it (RFC 9112 6.3 says Transfer-Encoding wins) would stop mid-body
 # and read the rest as the next answer.
@@ -97,6 +104,9 @@ class FaultGate:
         self.decode_port = decode_port
         self.received: Counter[str] = Counter()  # requests the proxy sent, by soak id
         self.fault_of: dict[str, str] = {}  # soak id -> fault, for the report
+        # decode_stray_later: "sent" while the proxy's connection was idle, "skipped"
+        # when the proxy had already sent something on it (see GateLink._stray_later).
+        self.strays: Counter[str] = Counter()
         self.port = 0
         self._server: asyncio.Server | None = None
         self._links: set[GateLink] = set()
@@ -185,6 +195,11 @@ class GateLink:
 
     async def _upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
                                        h11.Connection]:
+        if self.up is not None and self.up[0].at_eof():
+            # decode closed the idle keep-alive connection: a fresh one, or this
+            # request would be the gate's loss, not the proxy's.
+            self.up[1].transport.abort()
+            self.up = None
         if self.up is None:
             reader, writer = await asyncio.open_connection("127.0.0.1", self.gate.decode_port)
             self.up = (reader, writer, h11.Connection(h11.CLIENT))
@@ -201,10 +216,13 @@ class GateLink:
         up_writer.write(data + up.send(h11.EndOfMessage()))
         watcher = asyncio.create_task(self._watch_proxy(up_writer))
         try:
-            return await self._relay_answer(up_reader, up, fault, soak_id)
+            answered = await self._relay_answer(up_reader, up, fault, soak_id)
         finally:
             watcher.cancel()
             await asyncio.wait([watcher])  # off the reader before the next request's read
+        if answered and fault == "decode_stray_later":
+            await self._stray_later(soak_id)
+        return answered
 
     async def _watch_proxy(self, up_writer: asyncio.StreamWriter) -> None:
         """While decode answers: a proxy that hangs up closes the decode leg, as it would
@@ -247,12 +265,9 @@ class GateLink:
             await self.writer.drain()
         tail = self.down.send(h11.EndOfMessage())
         if fault == "decode_stray_same":
-            tail += STRAY  # in the same write as the end of the real answer
+            tail += stray("same", soak_id)  # in the same write as the end of the real answer
         self.writer.write(tail)
         await self.writer.drain()
-        if fault == "decode_stray_later":
-            await asyncio.sleep(random.uniform(0.002, 0.05))
-            self.writer.write(STRAY)  # on the idle connection, before the next request
         if up.our_state is h11.DONE and up.their_state is h11.DONE:
             up.start_next_cycle()
         else:
@@ -260,6 +275,38 @@ class GateLink:
             self.up[1].transport.abort()
             self.up = None
         return True
+
+    async def _stray_later(self, soak_id: str | None) -> None:
+        """The stray response as a write of its own, a moment after the answer, and only
+        while the proxy has sent nothing since: its connection is idle in the pool.
+
+        A stray that reaches the proxy after it wrote its next request on the
+        connection is, to any HTTP/1.1 client (httpcore, Go), that request's answer:
+        nothing in RFC 9112 tells them apart, so sending it then would test nothing
+        and blame the proxy for the protocol. Reading from the proxy is paused
+        meanwhile, so whatever it sends stays in the kernel, where select() sees it.
+        """
+        transport = self.writer.transport
+        transport.pause_reading()
+        try:
+            await asyncio.sleep(random.uniform(0.0005, 0.005))  # the proxy reads the end
+            if self._proxy_spoke():
+                self.gate.strays["skipped"] += 1
+                return
+            self.writer.write(stray("later", soak_id))
+            self.gate.strays["sent"] += 1
+        finally:
+            transport.resume_reading()
+
+    def _proxy_spoke(self) -> bool:
+        """Anything from the proxy since its last request: held by h11, by the stream
+        reader (asyncio has no public way to ask), or still in the socket."""
+        if self.down.trailing_data[0] or getattr(self.reader, "_buffer", b""):
+            return True
+        sock = self.writer.get_extra_info("socket")
+        if sock is None:
+            return True
+        return bool(select.select([sock.fileno()], [], [], 0)[0])
 
     def _head(self, response: h11.Response, fault: str | None, soak_id: str | None) -> bytes:
         """decode's response head, with the request's x-soak-id (so a client can tell
