@@ -306,7 +306,9 @@ class GateLink:
         sock = self.writer.get_extra_info("socket")
         if sock is None:
             return True
-        return bool(select.select([sock.fileno()], [], [], 0)[0])
+        poll = select.poll()  # not select(): no FD_SETSIZE limit, as httpcore's check
+        poll.register(sock.fileno(), select.POLLIN)
+        return bool(poll.poll(0))
 
     def _head(self, response: h11.Response, fault: str | None, soak_id: str | None) -> bytes:
         """decode's response head, with the request's x-soak-id (so a client can tell
