@@ -26,7 +26,9 @@ and misbehave on that request only; client faults are played by the client.
                       while the connection is idle in the proxy's pool (the gate
                       skips it when the proxy has already sent its next request:
                       a stray that arrives after that is, to any HTTP/1.1 client,
-                      the answer; "strays_later" in the summary counts both)
+                      the answer; "strays_later" in the summary counts them,
+                      and one that crossed the proxy's next request is not
+                      held against the proxy: "crossed a stray")
   decode_hangs_up     decode reads the whole POST and hangs up before any response
                       byte (the first time it sees that request; a repeat is served)
   decode_cl_chunked   decode's answer carries Content-Length beside
@@ -98,9 +100,11 @@ def generated_twice(prefill: FaultyBackend, gate: FaultGate) -> dict[str, int]:
     return twice
 
 
-async def load(args: argparse.Namespace, proc: Any, port: int) -> tuple[Soak, list[Any], float]:
+async def load(args: argparse.Namespace, proc: Any, port: int,
+               gate: FaultGate) -> tuple[Soak, list[Any], float]:
     """The soak itself: workers until --duration, a progress line every --report-every."""
     soak = Soak(args, port)
+    soak.crossed = gate.crossed  # the same set: the gate adds as it writes
     started = time.monotonic()
     soak.stop_at = started + args.duration
     workers = [asyncio.create_task(soak.worker()) for _ in range(args.concurrency)]
@@ -130,7 +134,8 @@ def summarise(args: argparse.Namespace, soak: Soak, elapsed: float, twice: dict[
         "duration_s": round(elapsed, 1), "kv_protocol": args.kv_protocol,
         "requests": sum(outcomes.values()), "served": outcomes["served"],
         "failed_as_expected": outcomes["failed as expected"],
-        "vanished": outcomes["vanished"], "lost": outcomes["lost"],
+        "vanished": outcomes["vanished"], "crossed_a_stray": outcomes["crossed a stray"],
+        "lost": outcomes["lost"],
         "unexpected": outcomes["unexpected"], "answered_wrong": outcomes["answered wrong"],
         "generated_twice": len(twice), "bad_by_fault": soak.bad_by_fault(),
         "generated_twice_by_fault": dict(Counter(key.split("(")[1].rstrip(")")
@@ -162,7 +167,7 @@ async def run(args: argparse.Namespace) -> int:
         say(f"soak: proxy pid {proc.pid} port {port} ({args.kv_protocol}), "
             f"{args.duration:g}s, concurrency {args.concurrency}, fault rate {args.fault_rate}")
         say(f"before: {json.dumps(before)}")
-        soak, failed, elapsed = await load(args, proc, port)
+        soak, failed, elapsed = await load(args, proc, port, gate)
         alive = proc.poll() is None
         after = await settle(proc, port, before, args.settle) if alive else {}
         say(f"after:  {json.dumps(after)}")

@@ -105,8 +105,12 @@ class FaultGate:
         self.received: Counter[str] = Counter()  # requests the proxy sent, by soak id
         self.fault_of: dict[str, str] = {}  # soak id -> fault, for the report
         # decode_stray_later: "sent" while the proxy's connection was idle, "skipped"
-        # when the proxy had already sent something on it (see GateLink._stray_later).
+        # when the proxy had already sent something on it, "crossed" when its next
+        # request came while the stray went out (see GateLink._stray_later) ...
         self.strays: Counter[str] = Counter()
+        # ... and the x-soak-id of each crossed one: whoever it reaches got it by
+        # HTTP/1.1's own ambiguity, not by the proxy's fault.
+        self.crossed: set[str] = set()
         self.port = 0
         self._server: asyncio.Server | None = None
         self._links: set[GateLink] = set()
@@ -148,6 +152,7 @@ class GateLink:
         self.gate, self.reader, self.writer = gate, reader, writer
         self.down = h11.Connection(h11.SERVER)  # towards the proxy
         self.up: tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection] | None = None
+        self.swallow = False  # the next request crossed a stray: leave it unanswered
 
     def close(self) -> None:
         self.writer.close()  # a FIN, as a backend closing its socket sends
@@ -170,6 +175,10 @@ class GateLink:
             if soak_id:
                 self.gate.received[soak_id] += 1
                 self.gate.fault_of[soak_id] = fault or "none"
+            if self.swallow:
+                self.swallow = False
+                self._resync()
+                continue
             if fault == "decode_hangs_up" and soak_id and self.gate.received[soak_id] == 1:
                 return  # the whole POST read, not one response byte written: hang up
             if not await self._exchange(request, body, fault, soak_id):
@@ -177,6 +186,14 @@ class GateLink:
             if self.down.our_state is not h11.DONE or self.down.their_state is not h11.DONE:
                 return
             self.down.start_next_cycle()
+
+    def _resync(self) -> None:
+        """Past a request left unanswered: a fresh h11 state, fed what came after it."""
+        leftover, closed = self.down.trailing_data
+        self.down = h11.Connection(h11.SERVER)
+        self.down.receive_data(leftover)
+        if closed:
+            self.down.receive_data(b"")
 
     async def _request(self) -> tuple[h11.Request, bytes] | None:
         request, parts = None, []
@@ -284,7 +301,12 @@ class GateLink:
         connection is, to any HTTP/1.1 client (httpcore, Go), that request's answer:
         nothing in RFC 9112 tells them apart, so sending it then would test nothing
         and blame the proxy for the protocol. Reading from the proxy is paused
-        meanwhile, so whatever it sends stays in the kernel, where select() sees it.
+        meanwhile, so whatever it sends stays in the kernel, where poll() sees it.
+        When the proxy's next request is there right after the write (it crossed
+        the stray: the gate was descheduled between its look and its write), the
+        stray is recorded as crossed and that request is swallowed, unanswered:
+        the proxy took the stray for its answer, and every later answer on the
+        connection still lands on its own request.
         """
         transport = self.writer.transport
         transport.pause_reading()
@@ -294,7 +316,12 @@ class GateLink:
                 self.gate.strays["skipped"] += 1
                 return
             self.writer.write(stray("later", soak_id))
-            self.gate.strays["sent"] += 1
+            if self._proxy_spoke():
+                self.gate.strays["crossed"] += 1
+                self.gate.crossed.add(f"stray-later-{soak_id or ''}")
+                self.swallow = True
+            else:
+                self.gate.strays["sent"] += 1
         finally:
             transport.resume_reading()
 

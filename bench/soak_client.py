@@ -168,6 +168,9 @@ class Soak:
         self.bad: Counter[tuple[str, str]] = Counter()  # (fault, outcome) not as expected
         self.stop_at = 0.0
         self._ids = itertools.count()
+        # x-soak-ids of strays that crossed the proxy's next request (the gate's
+        # FaultGate.crossed): received, they are HTTP/1.1's ambiguity, not a fault.
+        self.crossed: set[str] = set()
 
     def pick_fault(self) -> str | None:
         if self.faults_wanted and random.random() < self.args.fault_rate:
@@ -223,7 +226,11 @@ class Soak:
             return
         wrong = wrong_answer(soak_id, stream, reply) if soak_id else None
         expected = EXPECTED[fault] or set()
-        if wrong:
+        echoed = reply.header(b"x-soak-id")
+        if wrong and echoed is not None and echoed.decode("ascii", "replace") in self.crossed:
+            self.outcomes["crossed a stray"] += 1  # no HTTP/1.1 client could tell
+            self.note(f"CROSSED {fault or 'none'} {soak_id}: {echoed!r}")
+        elif wrong:
             self.outcomes["answered wrong"] += 1
             self.bad[(fault or "none", "answered wrong")] += 1
             self.note(f"WRONG {fault or 'none'} {soak_id}: {wrong}: {reply.status} "

@@ -16,7 +16,7 @@ from helpers import ROOT
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from soak import generated_twice, summarise  # noqa: E402
-from soak_backends import FaultGate, FaultyBackend, stray  # noqa: E402
+from soak_backends import FaultGate, FaultyBackend, GateLink, stray  # noqa: E402
 from soak_client import FAULTS, WIRE_FAULTS, Reply, Soak, chat_body  # noqa: E402
 
 
@@ -123,6 +123,28 @@ async def test_gate_sends_no_stray_later_once_the_next_request_is_in(gate: Fault
     assert gate.received == {"f1": 1, "f2": 1}
 
 
+async def test_gate_swallows_the_request_that_crossed_a_stray(gate: FaultGate,
+                                                              monkeypatch) -> None:
+    """The proxy's next request arrived while the stray went out (played here by the
+    gate's look: nothing before the write, something after): the proxy takes the
+    stray for that request's answer, so the gate leaves it unanswered and the next
+    answer is still the next request's own."""
+    looks = iter([False, True])
+    monkeypatch.setattr(GateLink, "_proxy_spoke", lambda self: next(looks, False))
+    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
+    writer.write(post("decode_stray_later", "h1"))
+    head, _ = await read_response(reader)
+    assert b"x-soak-id: h1" in head
+    head, _ = await read_response(reader)
+    assert b"x-soak-id: stray-later-h1" in head
+    writer.write(post("", "h2") + post("", "h3"))  # h2 crossed the stray, h3 is next
+    head, _ = await read_response(reader)
+    writer.close()
+    assert b"x-soak-id: h3" in head
+    assert gate.strays == {"crossed": 1} and gate.crossed == {"stray-later-h1"}
+    assert gate.received == {"h1": 1, "h2": 1, "h3": 1}
+
+
 async def test_gate_hangs_up_after_reading_a_post_and_serves_a_repeat(
         gate: FaultGate) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
@@ -167,10 +189,17 @@ def test_judging_tells_a_wrong_answer_from_the_right_one() -> None:
     soak.judge(None, Reply(200, body[:10], True, mine), "e1", False)  # cut, looks complete
     soak.judge(None, Reply(200, b"data: {}\n\n", True, [(b"x-soak-id", b"e5")]), "e5", True)
     assert soak.outcomes["answered wrong"] == 6
+    # A stray the gate saw cross the proxy's next request is HTTP/1.1's ambiguity ...
+    soak.crossed = {"stray-later-s9"}
+    soak.judge(None, Reply(200, body, True, [(b"x-soak-id", b"stray-later-s9")]), "e8", False)
+    assert soak.outcomes["crossed a stray"] == 1
+    # ... any other stray is the proxy's fault.
+    soak.judge(None, Reply(200, body, True, [(b"x-soak-id", b"stray-later-s8")]), "e9", False)
+    assert soak.outcomes["answered wrong"] == 7
     soak.judge("decode_hangs_up", Reply(502, b"{}", True, []), "e6", False)
     soak.judge("decode_hangs_up", Reply(200, body, True, [(b"x-soak-id", b"e7")]), "e7", False)
     assert soak.outcomes["failed as expected"] == 1 and soak.outcomes["unexpected"] == 1
-    assert soak.bad_by_fault() == {"none": {"answered wrong": 5},
+    assert soak.bad_by_fault() == {"none": {"answered wrong": 6},
                                    "decode_cl_chunked": {"answered wrong": 1},
                                    "decode_hangs_up": {"unexpected": 1}}
 
