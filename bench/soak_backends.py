@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import select
+import socket
+import struct
+import time
 from collections import Counter
 from typing import Any
 
@@ -39,6 +43,11 @@ def stray(kind: str, soak_id: str | None) -> bytes:
     return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
             b"x-soak-id: stray-%s-%s\r\ncontent-length: %d\r\n\r\n"
             % (kind.encode(), (soak_id or "").encode(), len(STRAY_BODY))) + STRAY_BODY
+# Linux's SO_TIMESTAMPNS (= SCM_TIMESTAMPNS), which Python's socket module does not
+# name: the kernel stamps each received segment with its arrival (CLOCK_REALTIME).
+SO_TIMESTAMPNS = 35
+TIMESPEC = struct.Struct("@qq")
+
 # Sent beside Transfer-Encoding: chunked, smaller than any answer: a peer that
 # framed by it (RFC 9112 6.3 says Transfer-Encoding wins) would stop mid-body
 # and read the rest as the next answer.
@@ -153,6 +162,9 @@ class GateLink:
         self.down = h11.Connection(h11.SERVER)  # towards the proxy
         self.up: tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection] | None = None
         self.swallow = False  # the next request crossed a stray: leave it unanswered
+        sock = writer.get_extra_info("socket")
+        if sock is not None:  # see _crossed
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
 
     def close(self) -> None:
         self.writer.close()  # a FIN, as a backend closing its socket sends
@@ -302,9 +314,10 @@ class GateLink:
         nothing in RFC 9112 tells them apart, so sending it then would test nothing
         and blame the proxy for the protocol. Reading from the proxy is paused
         meanwhile, so whatever it sends stays in the kernel, where poll() sees it.
-        When the proxy's next request is there right after the write (it crossed
-        the stray: the gate was descheduled between its look and its write), the
-        stray is recorded as crossed and that request is swallowed, unanswered:
+        When the proxy's next request reached the gate's socket before the stray
+        left (it crossed the stray: the gate was descheduled between its look and
+        its write; the kernel's receive time says), the stray is recorded as
+        crossed and that request is swallowed, unanswered:
         the proxy took the stray for its answer, and every later answer on the
         connection still lands on its own request.
         """
@@ -315,8 +328,9 @@ class GateLink:
             if self._proxy_spoke():
                 self.gate.strays["skipped"] += 1
                 return
-            self.writer.write(stray("later", soak_id))
-            if self._proxy_spoke():
+            leaving = time.time_ns()
+            self.writer.write(stray("later", soak_id))  # an empty buffer: sent at once
+            if self._crossed(leaving):
                 self.gate.strays["crossed"] += 1
                 self.gate.crossed.add(f"stray-later-{soak_id or ''}")
                 self.swallow = True
@@ -336,6 +350,30 @@ class GateLink:
         poll = select.poll()  # not select(): no FD_SETSIZE limit, as httpcore's check
         poll.register(sock.fileno(), select.POLLIN)
         return bool(poll.poll(0))
+
+    def _crossed(self, leaving_ns: int) -> bool:
+        """Whether bytes of the proxy's next request were in the socket before
+        ``leaving_ns``, by their kernel receive time. Bytes that came after it were
+        written by a proxy that had the stray in its own socket already (loopback
+        delivers within the send): a proxy that reads the stray as their answer
+        has a bug, and is not excused here. A FIN or a reset is the proxy dropping
+        the connection, as it should."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is None:
+            return False
+        peek = socket.socket(fileno=os.dup(sock.fileno()))
+        try:
+            data, ancillary, _, _ = peek.recvmsg(
+                1, socket.CMSG_SPACE(TIMESPEC.size), socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:  # nothing yet (BlockingIOError), or a reset
+            return False
+        finally:
+            peek.close()
+        for level, kind, value in ancillary:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and data:
+                seconds, nanoseconds = TIMESPEC.unpack(value[:TIMESPEC.size])
+                return seconds * 10**9 + nanoseconds < leaving_ns
+        return False
 
     def _head(self, response: h11.Response, fault: str | None, soak_id: str | None) -> bytes:
         """decode's response head, with the request's x-soak-id (so a client can tell

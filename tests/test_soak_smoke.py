@@ -6,8 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import select
+import socket
 import subprocess
 import sys
+import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,7 +20,7 @@ from helpers import ROOT
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from soak import generated_twice, summarise  # noqa: E402
-from soak_backends import FaultGate, FaultyBackend, GateLink, stray  # noqa: E402
+from soak_backends import SO_TIMESTAMPNS, FaultGate, FaultyBackend, GateLink, stray  # noqa: E402
 from soak_client import FAULTS, WIRE_FAULTS, Reply, Soak, chat_body  # noqa: E402
 
 
@@ -125,12 +129,11 @@ async def test_gate_sends_no_stray_later_once_the_next_request_is_in(gate: Fault
 
 async def test_gate_swallows_the_request_that_crossed_a_stray(gate: FaultGate,
                                                               monkeypatch) -> None:
-    """The proxy's next request arrived while the stray went out (played here by the
-    gate's look: nothing before the write, something after): the proxy takes the
-    stray for that request's answer, so the gate leaves it unanswered and the next
-    answer is still the next request's own."""
-    looks = iter([False, True])
-    monkeypatch.setattr(GateLink, "_proxy_spoke", lambda self: next(looks, False))
+    """The proxy's next request arrived while the stray went out (played here: the
+    gate saw nothing before the write, and a request from before it after): the
+    proxy takes the stray for that request's answer, so the gate leaves it
+    unanswered and the next answer is still the next request's own."""
+    monkeypatch.setattr(GateLink, "_crossed", lambda self, leaving: True)
     reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
     writer.write(post("decode_stray_later", "h1"))
     head, _ = await read_response(reader)
@@ -143,6 +146,28 @@ async def test_gate_swallows_the_request_that_crossed_a_stray(gate: FaultGate,
     assert b"x-soak-id: h3" in head
     assert gate.strays == {"crossed": 1} and gate.crossed == {"stray-later-h1"}
     assert gate.received == {"h1": 1, "h2": 1, "h3": 1}
+
+
+def test_a_request_crossed_the_stray_only_if_it_arrived_before_it_left() -> None:
+    """The gate's judge of a crossing: the kernel's receive time of the proxy's
+    bytes against the moment the stray left; peeked, so the request is still read."""
+    with socket.create_server(("127.0.0.1", 0)) as server, \
+            socket.create_connection(server.getsockname()) as proxy:
+        gate_side, _ = server.accept()
+        with gate_side:
+            gate_side.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+            link = SimpleNamespace(writer=SimpleNamespace(get_extra_info=lambda _: gate_side))
+            assert not GateLink._crossed(link, time.time_ns())  # nothing came
+            before = time.time_ns()
+            proxy.sendall(b"POST")
+            select.select([gate_side], [], [], 5)
+            after = time.time_ns()
+            assert GateLink._crossed(link, after)  # it came before the stray left
+            assert not GateLink._crossed(link, before)  # the stray left first
+            proxy.shutdown(socket.SHUT_WR)
+            assert gate_side.recv(10) == b"POST"
+            select.select([gate_side], [], [], 5)
+            assert not GateLink._crossed(link, time.time_ns())  # a FIN crosses nothing
 
 
 async def test_gate_hangs_up_after_reading_a_post_and_serves_a_repeat(
