@@ -104,7 +104,7 @@ async def load(args: argparse.Namespace, proc: Any, port: int,
                gate: FaultGate) -> tuple[Soak, list[Any], float]:
     """The soak itself: workers until --duration, a progress line every --report-every."""
     soak = Soak(args, port)
-    soak.crossed = gate.crossed  # the same set: the gate adds as it writes
+    soak.crossed, soak.pending = gate.crossed, gate.pending  # the same sets, shared
     started = time.monotonic()
     soak.stop_at = started + args.duration
     workers = [asyncio.create_task(soak.worker()) for _ in range(args.concurrency)]

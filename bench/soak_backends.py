@@ -125,6 +125,7 @@ class FaultGate:
         # ... and the x-soak-id of each crossed one: whoever it reaches got it by
         # HTTP/1.1's own ambiguity, not by the proxy's fault.
         self.crossed: set[str] = set()
+        self.pending: set[str] = set()  # strays out, not yet judged crossed or not
         self.port = 0
         self._server: asyncio.Server | None = None
         self._links: set[GateLink] = set()
@@ -335,15 +336,18 @@ class GateLink:
             if self._proxy_spoke():
                 self.gate.strays["skipped"] += 1
                 return
+            name = f"stray-later-{soak_id or ''}"
+            self.gate.pending.add(name)  # whoever gets it waits for the verdict
             leaving = time.time_ns()
             self.writer.write(stray("later", soak_id))  # an empty buffer: sent at once
             await asyncio.sleep(CROSSING_GRACE)  # reading still paused
             if self._crossed(leaving + int(CROSSING_GRACE * 1e9)):
                 self.gate.strays["crossed"] += 1
-                self.gate.crossed.add(f"stray-later-{soak_id or ''}")
+                self.gate.crossed.add(name)
                 self.swallow = True
             else:
                 self.gate.strays["sent"] += 1
+            self.gate.pending.discard(name)
         finally:
             transport.resume_reading()
 

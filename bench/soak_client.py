@@ -171,6 +171,7 @@ class Soak:
         # x-soak-ids of strays that crossed the proxy's next request (the gate's
         # FaultGate.crossed): received, they are HTTP/1.1's ambiguity, not a fault.
         self.crossed: set[str] = set()
+        self.pending: set[str] = set()  # FaultGate.pending: strays not yet judged
 
     def pick_fault(self) -> str | None:
         if self.faults_wanted and random.random() < self.args.fault_rate:
@@ -207,6 +208,7 @@ class Soak:
                 reply = await asyncio.wait_for(
                     conn.request(b"POST", CHAT, chat_body(fault, stream, tokens, soak_id),
                                  slow=fault == "slow_reader"), self.args.request_timeout)
+                await self.verdict_on(reply)
                 self.judge(fault, reply, soak_id, stream)
                 if not conn.reusable():
                     conn.close()
@@ -218,6 +220,16 @@ class Soak:
                     conn = None
         if conn is not None:
             conn.close()
+
+    async def verdict_on(self, reply: Reply) -> None:
+        """A stray can reach a client before the gate has told whether it crossed a
+        request (it waits CROSSING_GRACE to know): wait for that verdict."""
+        echoed = reply.header(b"x-soak-id")
+        name = echoed.decode("ascii", "replace") if echoed is not None else ""
+        for _ in range(200):
+            if name not in self.pending:
+                return
+            await asyncio.sleep(0.01)
 
     def judge(self, fault: str | None, reply: Reply, soak_id: str | None = None,
               stream: bool = False) -> None:
