@@ -22,7 +22,13 @@ and misbehave on that request only; client faults are played by the client.
   slow_reader      the client reads a long stream slowly
   decode_stray_same   decode's answer ends, and a second whole response follows
                       in the same write
-  decode_stray_later  the same stray response, a moment later on the idle connection
+  decode_stray_later  the same stray response as a write of its own, a moment later,
+                      while the connection is idle in the proxy's pool (the gate
+                      skips it when the proxy has already sent its next request:
+                      a stray that arrives after that is, to any HTTP/1.1 client,
+                      the answer; "strays_later" in the summary counts them,
+                      and one that crossed the proxy's next request is not
+                      held against the proxy: "crossed a stray")
   decode_hangs_up     decode reads the whole POST and hangs up before any response
                       byte (the first time it sees that request; a repeat is served)
   decode_cl_chunked   decode's answer carries Content-Length beside
@@ -38,7 +44,9 @@ request's answer or a stray one, told by x-soak-id, or a body that is not what
 decode sent, or Content-Length beside Transfer-Encoding), "unexpected" (an
 answer, but not the expected one), "lost" (no answer and no error: the
 connection closed without a status line, or nothing came within
---request-timeout) or "vanished" (the client left on purpose). The backends
+--request-timeout) or "vanished" (the client left on purpose, vanish_body and
+vanish_stream: not a failure, one per such fault played). A stray response names
+the answer it trailed in its x-soak-id (stray-same-s12, stray-later-s12). The backends
 count the generation requests they receive per soak id: one received twice is
 "generated twice" (the proxy sent a POST again, RFC 9110 9.2.2).
 
@@ -92,9 +100,11 @@ def generated_twice(prefill: FaultyBackend, gate: FaultGate) -> dict[str, int]:
     return twice
 
 
-async def load(args: argparse.Namespace, proc: Any, port: int) -> tuple[Soak, list[Any], float]:
+async def load(args: argparse.Namespace, proc: Any, port: int,
+               gate: FaultGate) -> tuple[Soak, list[Any], float]:
     """The soak itself: workers until --duration, a progress line every --report-every."""
     soak = Soak(args, port)
+    soak.crossed, soak.pending = gate.crossed, gate.pending  # the same sets, shared
     started = time.monotonic()
     soak.stop_at = started + args.duration
     workers = [asyncio.create_task(soak.worker()) for _ in range(args.concurrency)]
@@ -124,7 +134,8 @@ def summarise(args: argparse.Namespace, soak: Soak, elapsed: float, twice: dict[
         "duration_s": round(elapsed, 1), "kv_protocol": args.kv_protocol,
         "requests": sum(outcomes.values()), "served": outcomes["served"],
         "failed_as_expected": outcomes["failed as expected"],
-        "vanished": outcomes["vanished"], "lost": outcomes["lost"],
+        "vanished": outcomes["vanished"], "crossed_a_stray": outcomes["crossed a stray"],
+        "lost": outcomes["lost"],
         "unexpected": outcomes["unexpected"], "answered_wrong": outcomes["answered wrong"],
         "generated_twice": len(twice), "bad_by_fault": soak.bad_by_fault(),
         "generated_twice_by_fault": dict(Counter(key.split("(")[1].rstrip(")")
@@ -156,7 +167,7 @@ async def run(args: argparse.Namespace) -> int:
         say(f"soak: proxy pid {proc.pid} port {port} ({args.kv_protocol}), "
             f"{args.duration:g}s, concurrency {args.concurrency}, fault rate {args.fault_rate}")
         say(f"before: {json.dumps(before)}")
-        soak, failed, elapsed = await load(args, proc, port)
+        soak, failed, elapsed = await load(args, proc, port, gate)
         alive = proc.poll() is None
         after = await settle(proc, port, before, args.settle) if alive else {}
         say(f"after:  {json.dumps(after)}")
@@ -165,6 +176,7 @@ async def run(args: argparse.Namespace) -> int:
                                     list(twice.items())[:20]]:
             say(f"  {line}")
         summary = summarise(args, soak, elapsed, twice, before, after, alive, bool(failed))
+        summary["strays_later"] = dict(gate.strays)  # how much decode_stray_later tested
         say(json.dumps({"soak": summary}))
         return 0 if summary["ok"] else 1
     finally:

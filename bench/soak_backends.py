@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import select
+import socket
+import struct
+import time
 from collections import Counter
 from typing import Any
 
@@ -26,12 +31,28 @@ from lowproxy.demo import DemoBackend, KvRegistry
 from lowproxy.messages import AbortResponse
 
 # A whole second response, as a backend that owes one answer might write two.
-# Its x-soak-id names no request: a client that receives it got a stray answer.
 STRAY_BODY = json_body({"id": "chatcmpl-stray", "object": "chat.completion",
                         "choices": [{"index": 0, "finish_reason": "stop",
                                      "message": {"role": "assistant", "content": "stray"}}]})
-STRAY = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\nx-soak-id: stray\r\n"
-         b"content-length: %d\r\n\r\n" % len(STRAY_BODY)) + STRAY_BODY
+
+
+def stray(kind: str, soak_id: str | None) -> bytes:
+    """The stray response written after ``soak_id``'s answer. Its x-soak-id
+    (``stray-same-s12``, ``stray-later-s12``) names no request, so a client that
+    receives it got a stray answer, and says which fault and answer it trailed."""
+    return (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"x-soak-id: stray-%s-%s\r\ncontent-length: %d\r\n\r\n"
+            % (kind.encode(), (soak_id or "").encode(), len(STRAY_BODY))) + STRAY_BODY
+# Linux's SO_TIMESTAMPNS (= SCM_TIMESTAMPNS), which Python's socket module does not
+# name: the kernel stamps each received segment with its arrival (CLOCK_REALTIME).
+SO_TIMESTAMPNS = 35
+TIMESPEC = struct.Struct("@qq")
+
+# How soon after a stray left the proxy's next request may arrive and still count as
+# having crossed it (see GateLink._stray_later): longer than a busy 2-core host
+# keeps a process off the CPU between its look at a pooled connection and its write.
+CROSSING_GRACE = 0.025
+
 # Sent beside Transfer-Encoding: chunked, smaller than any answer: a peer that
 # framed by it (RFC 9112 6.3 says Transfer-Encoding wins) would stop mid-body
 # and read the rest as the next answer.
@@ -97,6 +118,14 @@ class FaultGate:
         self.decode_port = decode_port
         self.received: Counter[str] = Counter()  # requests the proxy sent, by soak id
         self.fault_of: dict[str, str] = {}  # soak id -> fault, for the report
+        # decode_stray_later: "sent" while the proxy's connection was idle, "skipped"
+        # when the proxy had already sent something on it, "crossed" when its next
+        # request came while the stray went out (see GateLink._stray_later) ...
+        self.strays: Counter[str] = Counter()
+        # ... and the x-soak-id of each crossed one: whoever it reaches got it by
+        # HTTP/1.1's own ambiguity, not by the proxy's fault.
+        self.crossed: set[str] = set()
+        self.pending: set[str] = set()  # strays out, not yet judged crossed or not
         self.port = 0
         self._server: asyncio.Server | None = None
         self._links: set[GateLink] = set()
@@ -138,6 +167,10 @@ class GateLink:
         self.gate, self.reader, self.writer = gate, reader, writer
         self.down = h11.Connection(h11.SERVER)  # towards the proxy
         self.up: tuple[asyncio.StreamReader, asyncio.StreamWriter, h11.Connection] | None = None
+        self.swallow = False  # the next request crossed a stray: leave it unanswered
+        sock = writer.get_extra_info("socket")
+        if sock is not None:  # see _crossed
+            sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
 
     def close(self) -> None:
         self.writer.close()  # a FIN, as a backend closing its socket sends
@@ -160,6 +193,10 @@ class GateLink:
             if soak_id:
                 self.gate.received[soak_id] += 1
                 self.gate.fault_of[soak_id] = fault or "none"
+            if self.swallow:
+                self.swallow = False
+                self._resync()
+                continue
             if fault == "decode_hangs_up" and soak_id and self.gate.received[soak_id] == 1:
                 return  # the whole POST read, not one response byte written: hang up
             if not await self._exchange(request, body, fault, soak_id):
@@ -167,6 +204,14 @@ class GateLink:
             if self.down.our_state is not h11.DONE or self.down.their_state is not h11.DONE:
                 return
             self.down.start_next_cycle()
+
+    def _resync(self) -> None:
+        """Past a request left unanswered: a fresh h11 state, fed what came after it."""
+        leftover, closed = self.down.trailing_data
+        self.down = h11.Connection(h11.SERVER)
+        self.down.receive_data(leftover)
+        if closed:
+            self.down.receive_data(b"")
 
     async def _request(self) -> tuple[h11.Request, bytes] | None:
         request, parts = None, []
@@ -185,6 +230,11 @@ class GateLink:
 
     async def _upstream(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter,
                                        h11.Connection]:
+        if self.up is not None and self.up[0].at_eof():
+            # decode closed the idle keep-alive connection: a fresh one, or this
+            # request would be the gate's loss, not the proxy's.
+            self.up[1].transport.abort()
+            self.up = None
         if self.up is None:
             reader, writer = await asyncio.open_connection("127.0.0.1", self.gate.decode_port)
             self.up = (reader, writer, h11.Connection(h11.CLIENT))
@@ -201,10 +251,13 @@ class GateLink:
         up_writer.write(data + up.send(h11.EndOfMessage()))
         watcher = asyncio.create_task(self._watch_proxy(up_writer))
         try:
-            return await self._relay_answer(up_reader, up, fault, soak_id)
+            answered = await self._relay_answer(up_reader, up, fault, soak_id)
         finally:
             watcher.cancel()
             await asyncio.wait([watcher])  # off the reader before the next request's read
+        if answered and fault == "decode_stray_later":
+            await self._stray_later(soak_id)
+        return answered
 
     async def _watch_proxy(self, up_writer: asyncio.StreamWriter) -> None:
         """While decode answers: a proxy that hangs up closes the decode leg, as it would
@@ -247,12 +300,9 @@ class GateLink:
             await self.writer.drain()
         tail = self.down.send(h11.EndOfMessage())
         if fault == "decode_stray_same":
-            tail += STRAY  # in the same write as the end of the real answer
+            tail += stray("same", soak_id)  # in the same write as the end of the real answer
         self.writer.write(tail)
         await self.writer.drain()
-        if fault == "decode_stray_later":
-            await asyncio.sleep(random.uniform(0.002, 0.05))
-            self.writer.write(STRAY)  # on the idle connection, before the next request
         if up.our_state is h11.DONE and up.their_state is h11.DONE:
             up.start_next_cycle()
         else:
@@ -260,6 +310,83 @@ class GateLink:
             self.up[1].transport.abort()
             self.up = None
         return True
+
+    async def _stray_later(self, soak_id: str | None) -> None:
+        """The stray response as a write of its own, a moment after the answer, and only
+        while the proxy has sent nothing since: its connection is idle in the pool.
+
+        A stray that reaches the proxy after it wrote its next request on the
+        connection is, to any HTTP/1.1 client (httpcore, Go), that request's answer:
+        nothing in RFC 9112 tells them apart, so sending it then would test nothing
+        and blame the proxy for the protocol. Reading from the proxy is paused
+        meanwhile, so whatever it sends stays in the kernel, where poll() sees it.
+        When the proxy's next request reached the gate's socket before the stray
+        left, or within CROSSING_GRACE after (by the kernel's receive time), it
+        crossed the stray: the gate was descheduled between its look and its
+        write, or the proxy between its own look (httpcore and Go look too) and its
+        write; no HTTP/1.1 client can close that gap. The stray is recorded as
+        crossed and that request is swallowed, unanswered:
+        the proxy took the stray for its answer, and every later answer on the
+        connection still lands on its own request.
+        """
+        transport = self.writer.transport
+        transport.pause_reading()
+        try:
+            await asyncio.sleep(random.uniform(0.0005, 0.005))  # the proxy reads the end
+            if self._proxy_spoke():
+                self.gate.strays["skipped"] += 1
+                return
+            name = f"stray-later-{soak_id or ''}"
+            self.gate.pending.add(name)  # whoever gets it waits for the verdict
+            leaving = time.time_ns()
+            self.writer.write(stray("later", soak_id))  # an empty buffer: sent at once
+            await asyncio.sleep(CROSSING_GRACE)  # reading still paused
+            if self._crossed(leaving + int(CROSSING_GRACE * 1e9)):
+                self.gate.strays["crossed"] += 1
+                self.gate.crossed.add(name)
+                self.swallow = True
+            else:
+                self.gate.strays["sent"] += 1
+            self.gate.pending.discard(name)
+        finally:
+            transport.resume_reading()
+
+    def _proxy_spoke(self) -> bool:
+        """Anything from the proxy since its last request: held by h11, by the stream
+        reader (asyncio has no public way to ask), or still in the socket."""
+        if self.down.trailing_data[0] or getattr(self.reader, "_buffer", b""):
+            return True
+        sock = self.writer.get_extra_info("socket")
+        if sock is None:
+            return True
+        poll = select.poll()  # not select(): no FD_SETSIZE limit, as httpcore's check
+        poll.register(sock.fileno(), select.POLLIN)
+        return bool(poll.poll(0))
+
+    def _crossed(self, leaving_ns: int) -> bool:
+        """Whether bytes of the proxy's next request were in the socket before
+        ``leaving_ns``, by their kernel receive time. Bytes that came later were
+        written by a proxy that had long had the stray in its own socket: one that
+        reads it as their answer never dropped the idle connection, and is not
+        excused. (A proxy that looks only at what its event loop has delivered
+        reuses it within the grace: tests/test_soak_findings.py catches that.) A
+        FIN or a reset is the proxy dropping the connection, as it should."""
+        sock = self.writer.get_extra_info("socket")
+        if sock is None:
+            return False
+        peek = socket.socket(fileno=os.dup(sock.fileno()))
+        try:
+            data, ancillary, _, _ = peek.recvmsg(
+                1, socket.CMSG_SPACE(TIMESPEC.size), socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except OSError:  # nothing yet (BlockingIOError), or a reset
+            return False
+        finally:
+            peek.close()
+        for level, kind, value in ancillary:
+            if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and data:
+                seconds, nanoseconds = TIMESPEC.unpack(value[:TIMESPEC.size])
+                return seconds * 10**9 + nanoseconds < leaving_ns
+        return False
 
     def _head(self, response: h11.Response, fault: str | None, soak_id: str | None) -> bytes:
         """decode's response head, with the request's x-soak-id (so a client can tell
