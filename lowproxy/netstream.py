@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import select
 import socket
 import ssl
 from collections.abc import Callable
@@ -306,10 +307,27 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             # server aborts the request when its connection drops.
             transport.abort()
 
+    def _socket_readable(self) -> bool:
+        """Whether the kernel holds input (or EOF) for this socket; never blocks.
+
+        poll(), not select(): select() fails for descriptors of 1024 and above.
+        """
+        sock = self._transport.get_extra_info("socket")
+        if sock is None:
+            return False
+        try:
+            poller = select.poll()
+            poller.register(sock.fileno(), select.POLLIN)
+            return bool(poller.poll(0))
+        except (OSError, ValueError):  # closed meanwhile: unusable, so "readable"
+            return True
+
     def get_extra_info(self, info: str) -> Any:
         if info == "is_readable":
-            # Data or EOF on an idle HTTP/1.1 connection means the server closed it.
-            return self._protocol.eof or bool(self._protocol.chunks)
+            # Data or EOF on an idle HTTP/1.1 connection means the server closed it
+            # or wrote past its answer. Our buffers first; then the socket itself:
+            # bytes in the kernel that the loop has not handed over yet count too.
+            return self._protocol.eof or bool(self._protocol.chunks) or self._socket_readable()
         if info == "ssl_object":
             return self._transport.get_extra_info("ssl_object")
         if info == "server_addr":
