@@ -261,6 +261,57 @@ async def wait_until(predicate: Any, timeout: float = 5.0, what: str = "conditio
         await asyncio.sleep(0.01)
 
 
+# -- raw-byte backends (the backend is the attacker)
+
+
+class RawServer:
+    """A backend written in raw bytes. Subclasses define ``serve(reader, writer, number)``
+    (``number``: this connection's, from 1); a hang-up ends it quietly, and the
+    connection is closed however it ends."""
+
+    def __init__(self) -> None:
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self.connections = 0
+
+    async def start(self) -> Any:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.serve(reader, writer, self.connections)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    number: int) -> None:
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request's head and its content-length body, read from a raw connection."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    return head, await reader.readexactly(length)
+
+
 # -- scripted and TLS backends (tests of headers, relay, TLS)
 
 

@@ -13,7 +13,7 @@ import json
 
 import pytest
 
-from helpers import CHAT, chat, config_for, running_proxy
+from helpers import CHAT, RawServer, chat, config_for, running_proxy
 from lowproxy.backend_json import (
     MAX_PREFILL_ANSWER_BYTES,
     BadAnswer,
@@ -111,38 +111,23 @@ def test_hostile_query_answers_are_refused(raw):
 # -- end to end: a bootstrap server that answers what the test says
 
 
-class RawBootstrap:
+class RawBootstrap(RawServer):
     """A Mooncake bootstrap server in raw bytes: answers every request with ``body``."""
 
     def __init__(self, body: bytes) -> None:
+        super().__init__()
         self.body = body
         self.queries = 0
-        self.server: asyncio.Server | None = None
-        self.port = 0
 
-    async def start(self) -> RawBootstrap:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            if head.startswith(b"GET /query "):
-                self.queries += 1
-            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                         b"content-length: %d\r\nconnection: close\r\n\r\n" % len(self.body)
-                         + self.body)
-            await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def close(self) -> None:
-        assert self.server is not None
-        self.server.close()
-        await self.server.wait_closed()
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    number: int) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        if head.startswith(b"GET /query "):
+            self.queries += 1
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"content-length: %d\r\nconnection: close\r\n\r\n" % len(self.body)
+                     + self.body)
+        await writer.drain()
 
 
 HOSTILE_QUERIES = {

@@ -13,7 +13,7 @@ import asyncio
 
 import pytest
 
-from helpers import config_for, running_proxy
+from helpers import RawServer, config_for, read_request, running_proxy
 
 EVENTS = [b"data: {\"i\": %d}\n\n" % i for i in range(5)]
 CHUNKED = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in EVENTS) + b"0\r\n\r\n"
@@ -22,41 +22,22 @@ HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
 WIRE = HEAD + CHUNKED
 
 
-class RawBackend:
+class RawBackend(RawServer):
     def __init__(self, responses: list[list[bytes]]) -> None:
+        super().__init__()
         self.responses = responses  # one list of pieces per request, in order
-        self.connections = 0
         self.requests = 0
-        self.server: asyncio.AbstractServer | None = None
 
-    async def start(self) -> int:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return self.server.sockets[0].getsockname()[1]
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                await reader.readexactly(length)
-                pieces = self.responses[min(self.requests, len(self.responses) - 1)]
-                self.requests += 1
-                for piece in pieces:
-                    writer.write(piece)
-                    await writer.drain()
-                    await asyncio.sleep(0.005)
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def close(self) -> None:
-        assert self.server is not None
-        self.server.close()
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    number: int) -> None:
+        while True:
+            await read_request(reader)
+            pieces = self.responses[min(self.requests, len(self.responses) - 1)]
+            self.requests += 1
+            for piece in pieces:
+                writer.write(piece)
+                await writer.drain()
+                await asyncio.sleep(0.005)
 
 
 def split_at(data: bytes, *offsets: int) -> list[bytes]:
@@ -73,7 +54,7 @@ SPLITS = [(), (BLANK,), (BLANK + 1,), (BLANK + 2,), (BLANK + 3,), (len(HEAD),),
                                                   for s in SPLITS])
 async def test_split_responses_relay_exactly_and_keep_the_connection(offsets):
     backend = RawBackend([split_at(WIRE, *offsets)])
-    port = await backend.start()
+    port = (await backend.start()).port
     try:
         async with running_proxy(config_for(decode=f"http://127.0.0.1:{port}")) as proxy:
             for _ in range(3):
@@ -90,7 +71,7 @@ async def test_split_responses_relay_exactly_and_keep_the_connection(offsets):
 async def test_bytes_after_the_body_retire_the_connection():
     extra = HEAD + CHUNKED + b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
     backend = RawBackend([[extra], [WIRE]])
-    port = await backend.start()
+    port = (await backend.start()).port
     try:
         async with running_proxy(config_for(decode=f"http://127.0.0.1:{port}")) as proxy:
             first = await proxy.request("POST", "/v1/completions", {"prompt": "x",
@@ -109,7 +90,7 @@ async def test_bytes_after_the_body_retire_the_connection():
 async def test_broken_chunk_framing_cuts_the_client_response():
     broken = HEAD + b"5\r\nhelloXX0\r\n\r\n"
     backend = RawBackend([[broken]])
-    port = await backend.start()
+    port = (await backend.start()).port
     try:
         async with running_proxy(config_for(decode=f"http://127.0.0.1:{port}")) as proxy:
             reply = await proxy.request("POST", "/v1/completions", {"prompt": "x",

@@ -23,7 +23,15 @@ from typing import Any
 import httpcore
 import pytest
 
-from helpers import chat, config_for, raw_exchange, running_proxy, wait_until
+from helpers import (
+    RawServer,
+    chat,
+    config_for,
+    raw_exchange,
+    read_request,
+    running_proxy,
+    wait_until,
+)
 from lowproxy.config import Config, parse_endpoint
 from lowproxy.netstream import AsyncioBackend
 from lowproxy.tls import TrustStore
@@ -56,7 +64,7 @@ FORGED = answer(b'{"forged": true}')  # what a stray second response says
 REAL = answer(b'{"real": true}')
 
 
-class Hostile:
+class Hostile(RawServer):
     """A raw backend: the n-th request it reads gets ``script[n]`` (the last step repeats).
 
     A step is a list of actions: bytes (written and drained, each its own
@@ -65,59 +73,34 @@ class Hostile:
     """
 
     def __init__(self, *script: list[Any]) -> None:
+        super().__init__()
         self.script = script
         self.requests: list[tuple[int, bytes]] = []  # (connection number, head)
         self.bodies: list[bytes] = []
-        self.connections = 0
-        self.port = 0
-        self.server: asyncio.AbstractServer | None = None
 
     def methods(self) -> list[bytes]:
         return [head.split(b" ", 1)[0] for _, head in self.requests]
 
-    async def start(self) -> Hostile:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        self.port = self.server.sockets[0].getsockname()[1]
-        return self
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        number = self.connections
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = 0
-                for line in head.split(b"\r\n"):
-                    if line.lower().startswith(b"content-length:"):
-                        length = int(line.split(b":")[1])
-                self.bodies.append(await reader.readexactly(length))
-                step = self.script[min(len(self.requests), len(self.script) - 1)]
-                self.requests.append((number, head))
-                for action in step:
-                    if isinstance(action, bytes):
-                        writer.write(action)
-                        await writer.drain()
-                    elif action == RESET:
-                        writer.transport.abort()
-                        return
-                    elif action == CLOSE:
-                        return
-                    elif isinstance(action, asyncio.Event):
-                        await action.wait()
-                    else:
-                        action()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def close(self) -> None:
-        assert self.server is not None
-        self.server.close()
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    number: int) -> None:
+        while True:
+            head, body = await read_request(reader)
+            self.bodies.append(body)
+            step = self.script[min(len(self.requests), len(self.script) - 1)]
+            self.requests.append((number, head))
+            for action in step:
+                if isinstance(action, bytes):
+                    writer.write(action)
+                    await writer.drain()
+                elif action == RESET:
+                    writer.transport.abort()
+                    return
+                elif action == CLOSE:
+                    return
+                elif isinstance(action, asyncio.Event):
+                    await action.wait()
+                else:
+                    action()
 
 
 @contextlib.asynccontextmanager
