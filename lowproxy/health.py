@@ -159,31 +159,36 @@ class HealthMonitor:
 
     # -- model refreshes on demand
 
-    async def _refresh_models(self) -> None:
-        endpoints = list(self.decode.endpoints)
-        await asyncio.gather(*(self._learn_models(self.decode, e) for e in endpoints))
+    async def _refresh_models(self, number: int) -> None:
+        try:
+            endpoints = list(self.decode.endpoints)
+            await asyncio.gather(*(self._learn_models(self.decode, e) for e in endpoints))
+        finally:
+            # Recorded by the task itself, not by a done callback: a callback runs
+            # only on a later loop turn, and a waiter that saw the task done but
+            # the count not yet raised would spin without ever yielding to it.
+            self._done = max(self._done, number)
+            if self._refresh is asyncio.current_task():
+                self._refresh = None
 
     async def refreshed_after(self, number: int) -> None:
-        """Return once a decode model refresh that started after refresh ``number`` ended."""
+        """Return once a decode model refresh that started after refresh ``number`` ended.
+
+        Every pass either awaits a refresh still running (which suspends) or
+        starts one; a finished refresh has already raised ``_done`` and cleared
+        ``_refresh``, so the loop cannot spin on it.
+        """
         while self._done <= number:
             task = self._refresh
-            if task is None or self._refresh_number <= number:
-                if task is not None:  # one in flight began too early: the next one
-                    await asyncio.shield(task)
-                    continue
+            if task is not None and not task.done() and self._refresh_number <= number:
+                await asyncio.shield(task)  # one in flight began too early: then the next
+                continue
+            if task is None or task.done():
                 self._started += 1
                 self._refresh_number = self._started
                 task = self._refresh = asyncio.get_running_loop().create_task(
-                    self._refresh_models())
-                task.add_done_callback(self._refresh_ended(self._refresh_number))
+                    self._refresh_models(self._refresh_number))
             await asyncio.shield(task)
-
-    def _refresh_ended(self, number: int) -> Any:
-        def ended(task: asyncio.Task[None]) -> None:
-            self._done = max(self._done, number)
-            if self._refresh is task:
-                self._refresh = None
-        return ended
 
     async def refuse(self, model: str | None, body: dict[str, Any]) -> tuple[int, bytes] | None:
         """(status, body) for a request no decode can serve, before either leg; else None."""

@@ -5,10 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import signal
+import subprocess
+import sys
 import time
 from typing import Any, AsyncIterator
 
-from helpers import ScriptedBackend, config_for, request, running_proxy, wait_until
+import pytest
+
+from helpers import (
+    Daemon,
+    ScriptedBackend,
+    config_for,
+    eventually,
+    free_port,
+    request,
+    running_proxy,
+    wait_until,
+)
 from lowproxy.config import load_config
 from lowproxy.demo import DemoBackend, KvRegistry
 
@@ -274,3 +288,44 @@ async def test_short_prompts_skip_prefill_and_are_counted():
                 in metrics
             assert f'lowproxy_endpoint_requests_total{{role="prefill",endpoint="{pre[0].url}"}} 1' \
                 in metrics
+
+
+
+
+@pytest.mark.parametrize("loop", ["uvloop", "asyncio"])
+async def test_concurrent_unknown_models_never_wedge_the_daemon(loop):
+    """Issue 19.1: twenty requests at once for models no decode serves, round after
+    round, against the daemon and demo backends as processes of their own (the timing
+    that found it). Every one is 404, /healthz answers between the rounds and SIGTERM
+    ends the daemon; the old wait spun on a finished refresh for ever."""
+    decode_port, prefill_port = free_port(), free_port()
+    demos = [subprocess.Popen([sys.executable, "-m", "lowproxy.demo", "--role", role,
+                               "--port", str(port), "--bootstrap-port", "0"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for role, port in (("prefill", prefill_port), ("decode", decode_port))]
+    daemon = Daemon(["--port", "0", "--loop", loop], {
+        "PD_PROXY_PREFILL_URL": f"http://127.0.0.1:{prefill_port}",
+        "PD_PROXY_DECODE_URL": f"http://127.0.0.1:{decode_port}",
+        "PD_PROXY_HEALTH_INTERVAL_SECONDS": "60"})
+    try:
+        port = await asyncio.to_thread(daemon.wait_listening)
+        await eventually(lambda: _knows_models(port), 15, "decode's models learned")
+        for round_ in range(5):
+            replies = await asyncio.wait_for(asyncio.gather(*(
+                request(port, "POST", CHAT, conversation(n, model=f"nope-{round_}-{n}"))
+                for n in range(20))), 10.0)
+            assert [r.status for r in replies] == [404] * 20
+            health = await asyncio.wait_for(request(port, "GET", "/healthz"), 3.0)
+            assert health.status == 200
+        assert await asyncio.to_thread(daemon.stop) == 0  # SIGTERM still heard
+    finally:
+        daemon.stop(signal.SIGKILL)
+        for demo in demos:
+            demo.kill()
+            demo.wait()
+
+
+async def _knows_models(port: int) -> bool:
+    """One unknown model at a time is answered 404 once decode's list is known."""
+    reply = await request(port, "POST", CHAT, conversation(0, model="nope-alone"))
+    return reply.status == 404
