@@ -40,6 +40,7 @@ from typing import Any
 
 import load_prefix
 from load_client import Result, drive, prefill_leg_body
+from load_peer import PEER_SCENARIOS, PeerProcess, available
 from load_procs import Backends, ProxyProcess, raise_fd_limit
 from load_render import FOOTNOTE, markdown, summary, table
 from load_report import evaluate, group_by_run
@@ -84,6 +85,14 @@ def run_fast(scenario: str, backends: Backends, args: argparse.Namespace,
                                      backend_pid=backends.pid))]
     finally:
         proxy.stop()
+    if args.peer and scenario in PEER_SCENARIOS:
+        peer = PeerProcess(args.peer, backends, kv_protocol)
+        try:
+            results.append(asyncio.run(drive(scenario, "peer", peer.port, peer.pid,
+                                             args.concurrency, args, stream,
+                                             backend_pid=backends.pid)))
+        finally:
+            peer.stop()
     if scenario != "workers":
         results.append(asyncio.run(drive(scenario, "direct", backends.decode_port,
                                          backends.pid, args.concurrency, args, stream)))
@@ -99,11 +108,19 @@ def run_latency(backends: Backends, args: argparse.Namespace, loop: str) -> list
                                     backend_pid=backends.pid))
     finally:
         proxy.stop()
+    results = [through]
+    if args.peer:
+        peer = PeerProcess(args.peer, backends, "relay")
+        try:
+            results.append(asyncio.run(drive("latency", "peer", peer.port, peer.pid, 1, args,
+                                             False, backend_pid=backends.pid)))
+        finally:
+            peer.stop()
     direct = asyncio.run(drive("latency", "direct", backends.decode_port, backends.pid, 1,
                                args, False))
     prefill = asyncio.run(drive("latency", "prefill", backends.prefill_port, backends.pid, 1,
                                 args, False, body=prefill_leg_body()))
-    return [through, direct, prefill]
+    return [*results, direct, prefill]
 
 
 def run_trickle(args: argparse.Namespace, loop: str) -> list[Result]:
@@ -112,13 +129,20 @@ def run_trickle(args: argparse.Namespace, loop: str) -> list[Result]:
     try:
         proxy = ProxyProcess(proxy_command(args), backends, "relay", loop, extra_env(args))
         try:
-            through = asyncio.run(trickle("proxy", proxy.port, proxy.pid, args))
+            results = [asyncio.run(trickle("proxy", proxy.port, proxy.pid, args))]
         finally:
             proxy.stop()
-        direct = asyncio.run(trickle("direct", backends.decode_port, backends.pid, args))
+        if args.peer:
+            peer = PeerProcess(args.peer, backends, "relay")
+            try:
+                results.append(asyncio.run(trickle("peer", peer.port, peer.pid, args)))
+            finally:
+                peer.stop()
+        results.append(asyncio.run(trickle("direct", backends.decode_port, backends.pid,
+                                           args)))
     finally:
         backends.stop()
-    return [through, direct]
+    return results
 
 
 def run_idle(args: argparse.Namespace, loop: str) -> list[Result]:
@@ -198,6 +222,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="command starting the proxy under test; it must honour PD_PROXY_HOST/PORT/"
         "PREFILL_URL/DECODE_URL/KV_PROTOCOL/MOONCAKE_BOOTSTRAP_PORT (default: this "
         "Python -m lowproxy)")
+    add("--peer", default="", metavar="NAME",
+        help="also run this peer proxy against the same backends, side by side, and quote "
+        "the proxy's figures as ratios to it: vllm-router (pip install vllm-router); "
+        "skipped with a message when it is not installed")
     add("--proxy-env", action="append", default=[], metavar="KEY=VALUE",
         help="extra environment for the proxy (repeatable)")
     add("--loop", default="both",
@@ -256,11 +284,17 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         print("uvloop is not installed: --loop asyncio only", file=sys.stderr)
         loops = ("asyncio",)
     args.loops = loops
+    if args.peer:
+        why_not = available(args.peer)
+        if why_not is not None:
+            print(why_not, file=sys.stderr)
+            args.peer = ""
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
 
 
-SETTINGS = ("cpus", "scenarios", "loops", "repeat", "concurrency", "duration", "requests", "warmup",
+SETTINGS = ("cpus", "peer", "scenarios", "loops", "repeat", "concurrency", "duration",
+            "requests", "warmup",
             "stream_chunks", "trickle_streams", "trickle_events", "trickle_interval",
             "trickle_rounds", "workers", "idle_streams", "idle_chunk_delay", "timeout")
 

@@ -179,8 +179,8 @@ class ProxyProcess:
     """The proxy under test, configured through PD_PROXY_* only."""
 
     def __init__(self, command: list[str], backends: Backends, kv_protocol: str,
-                 loop: str, extra_env: dict[str, str]) -> None:
-        self.port = free_port()
+                 loop: str, extra_env: dict[str, str], port: int = 0) -> None:
+        self.port = port or free_port()
         env = child_env({
             "PD_PROXY_HOST": "127.0.0.1",
             "PD_PROXY_PORT": str(self.port),
