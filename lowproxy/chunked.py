@@ -134,6 +134,10 @@ class ChunkedRelay:
         self.stray = False  # bytes arrived after the body ended
         self._waiter: asyncio.Future[None] | None = None
 
+    @property
+    def done(self) -> bool:
+        return self.decoder.done
+
     def data_received(self, data: bytes) -> None:
         if self.error is not None:
             return
