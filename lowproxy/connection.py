@@ -69,9 +69,17 @@ class ClientConnection:
         self._loop = asyncio.get_running_loop()
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         self.phase = Phase.HEAD
+        # One lazy timer per connection (see _enter): when the phase's time is up,
+        # and when the handle armed for it fires (never later than that).
+        self._deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        # Armed no further ahead than this, so that no later phase finds it too late.
+        self._arm_within = min(limits.header_timeout, limits.keepalive_timeout)
         self._watcher: asyncio.Task[None] | None = None
-        self._watch_later: asyncio.TimerHandle | None = None
+        # When a waiting handler starts watching its client (see watch_client).
+        self._watch_due: float | None = None
+        self._watch_timer: asyncio.TimerHandle | None = None
         self._pending: list[bytes] = []
         self._head_bytes = 0
         self._head_reads: list[bytes] | None = None  # this cycle's reads until its head
@@ -115,21 +123,48 @@ class ClientConnection:
     # -- the phase and its one timer
 
     def _enter(self, phase: Phase, seconds: float | None = None) -> None:
-        """Move to ``phase`` (never out of a final one) and arm its timer, if any."""
-        self._disarm()
+        """Move to ``phase`` (never out of a final one) and set its deadline, if any.
+
+        Lazily: a request moves through three timed phases in well under a
+        millisecond, so the timer is re-armed only when it fires early (the
+        deadline moved on meanwhile) or would fire too late. A connection pays
+        a few timer operations per timeout period, not per phase.
+        """
+        self._deadline = None
         if self.phase in _FINAL and phase not in _FINAL:
             return
         self.phase = phase
         if seconds is not None:
-            self._timer = self._loop.call_later(seconds, self._expired)
+            now = self._loop.time()
+            deadline = self._deadline = now + seconds
+            if self._timer is None or self._timer_at > deadline:
+                self._arm(now, deadline)
+
+    def _arm(self, now: float, deadline: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        when = self._timer_at = min(deadline, now + self._arm_within)
+        self._timer = self._loop.call_at(when, self._expired)
 
     def _disarm(self) -> None:
+        self._deadline = None  # the armed handle, if any, finds nothing to do
+
+    def _cancel_timer(self) -> None:
+        self._deadline = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def _expired(self) -> None:
         self._timer = None
+        deadline = self._deadline
+        if deadline is None:
+            return
+        now = self._loop.time()
+        if now < deadline:
+            self._arm(now, deadline)  # the phase moved on since this handle was armed
+            return
+        self._deadline = None
         if self.phase in _DUE_408 and not self.transport.is_closing():
             # RFC 9110 15.5.9: a 408 tells the client why before the close.
             self.transport.write(canned_response(
@@ -172,12 +207,22 @@ class ClientConnection:
         pushes back. The watcher keeps its read pending after the cycle: the
         next read awaits it rather than racing it.
         """
-        if self._watcher is None and self._watch_later is None and not self.gone:
-            # Most exchanges end within WATCH_AFTER: they never pay for a task.
-            self._watch_later = self._loop.call_later(WATCH_AFTER, self._start_watching)
+        if self._watcher is None and not self.gone:
+            # Most exchanges end within WATCH_AFTER: they never pay for a task,
+            # and one lazy timer per connection serves all of them.
+            due = self._watch_due = self._loop.time() + WATCH_AFTER
+            if self._watch_timer is None:
+                self._watch_timer = self._loop.call_at(due, self._start_watching)
 
     def _start_watching(self) -> None:
-        self._watch_later = None
+        self._watch_timer = None
+        due = self._watch_due
+        if due is None:
+            return
+        if self._loop.time() < due:  # a later exchange asked: its own time
+            self._watch_timer = self._loop.call_at(due, self._start_watching)
+            return
+        self._watch_due = None
         if self.busy and self._watcher is None:
             self._watcher = self._loop.create_task(self._watch())
 
@@ -203,15 +248,19 @@ class ClientConnection:
                 return
 
     def _stop_watching(self) -> None:
-        self._cancel_watch_later()
+        self._cancel_watch_timer()
         watcher, self._watcher = self._watcher, None
         if watcher is not None and not watcher.done():
             watcher.cancel()
 
     def _cancel_watch_later(self) -> None:
-        if self._watch_later is not None:
-            self._watch_later.cancel()
-            self._watch_later = None
+        self._watch_due = None  # the armed handle, if any, finds nothing to do
+
+    def _cancel_watch_timer(self) -> None:
+        self._watch_due = None
+        if self._watch_timer is not None:
+            self._watch_timer.cancel()
+            self._watch_timer = None
 
     async def _next_event(self) -> Any:
         conn = self.h11
@@ -253,7 +302,7 @@ class ClientConnection:
         except Exception:  # pragma: no cover - a bug; keep serving others
             log.exception("connection failed")
         finally:
-            self._disarm()
+            self._cancel_timer()
             self._stop_watching()
             if self.phase is Phase.REFUSED:
                 await self._linger_then_close()
