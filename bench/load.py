@@ -38,6 +38,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+import load_features
 import load_prefix
 from load_client import Result, drive, prefill_leg_body
 from load_peer import PEER_SCENARIOS, PeerProcess, available
@@ -47,8 +48,9 @@ from load_report import evaluate, group_by_run
 from load_streams import idle_streams, trickle
 
 SCENARIOS = ("chat", "latency", "mooncake", "stream", "trickle", "workers", "idle-streams")
-# Not in "all": load_prefix.py, its own backends per policy and its own table.
-OWN_TABLE = ("prefix",)
+# Not in "all", each with its own table: load_prefix.py (its own backends per policy) and
+# load_features.py (chat with each optional feature on and off).
+OWN_TABLE = ("prefix", "features")
 NEEDS_CHAT = ("trickle", "workers")  # their figures are relative to chat's of the same run
 LOOPS = ("asyncio", "uvloop", "auto")
 
@@ -335,6 +337,10 @@ def from_json(args: argparse.Namespace) -> int:
         document = json.load(f)
     settings = argparse.Namespace(**document["settings"])
     print(render(document, settings, args.markdown))
+    if "features" in document:
+        print("\n" + load_features.render(document["features"]))
+        if args.markdown:
+            print("\n" + load_features.markdown(document["features"]))
     return 0
 
 
@@ -360,6 +366,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print("running prefix (each policy on fresh backends) ...", file=sys.stderr)
         document["prefix"] = load_prefix.run(args.proxy_cmd_list)
+    if "features" in args.scenarios:
+        document["features"] = load_features.run(
+            args.proxy_cmd_list, args,
+            lambda what: None if args.json else print(f"running {what} ...", file=sys.stderr,
+                                                      flush=True))
     text = json.dumps(document, indent=2)
     if args.json_file:
         with open(args.json_file, "w") as f:
@@ -367,6 +378,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text if args.json else render(document, args, args.markdown))
     if "prefix" in document and not args.json:
         print("\n" + load_prefix.render(document["prefix"]))
+    if "features" in document and not args.json:
+        print("\n" + load_features.render(document["features"]))
+        if args.markdown:
+            print("\n" + load_features.markdown(document["features"]))
     failed = any(r.errors for r in results) or not all(t["pass"] for t in document["targets"])
     return 1 if args.check and failed else 0
 

@@ -142,10 +142,10 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
 class Backends:
     """``python -m lowproxy.demo`` in its own process."""
 
-    def __init__(self, stream_chunks: int, chunk_delay: float) -> None:
+    def __init__(self, stream_chunks: int, chunk_delay: float, *extra: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lowproxy.demo", "--stream-chunks", str(stream_chunks),
-             "--chunk-delay", str(chunk_delay)],
+             "--chunk-delay", str(chunk_delay), *extra],
             env=child_env({}), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()

@@ -24,9 +24,13 @@ Headers = list[tuple[bytes, bytes]]
 KV = "kv_transfer_params"
 
 
+# Built once: json.dumps with separators builds an encoder on every call.
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
 def serialise(body: Body) -> bytes:
     # ensure_ascii keeps lone surrogates from a client's "\ud800" escapes encodable.
-    return json.dumps(body, separators=(",", ":")).encode()
+    return _COMPACT.encode(body).encode()
 
 
 def primed_prefill_body(body: Body, kv_transfer_params: Body | None,
