@@ -1,4 +1,4 @@
-"""One client socket: h11 request cycles, one phase and its one timer, hang-up watcher.
+"""One client socket: h11 request cycles, one phase and its one timer, hang-up hook.
 
 Cycles run in order (keep-alive and pipelining: a cycle finishes before the
 next request is parsed, as in uvicorn's h11 protocol). Each cycle reads the
@@ -28,9 +28,6 @@ from .timeouts import deadline
 log = logging.getLogger("lowproxy.server")
 
 READ_SIZE = 64 * 1024
-# A handler waiting on a backend longer than this starts watching its client for
-# a hang-up; the many exchanges that end sooner never pay for the watcher task.
-WATCH_AFTER = 0.05
 # After refusing a request, how long and how much of its remaining input to drop.
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 4 * 1024 * 1024
@@ -52,6 +49,43 @@ class Phase(enum.Enum):
 
 _FINAL = (Phase.REFUSED, Phase.CLOSED, Phase.GONE)
 _DUE_408 = (Phase.HEAD, Phase.BODY)
+
+
+class _HangUpHook(asyncio.Protocol):
+    """asyncio's StreamReaderProtocol for one client, with a call on its hang-up.
+
+    Put in front of the transport's protocol (BaseTransport.set_protocol), it
+    forwards every callback and tells the connection when the client sent EOF
+    or the connection was lost: a handler waiting on a backend learns of a
+    hang-up with no task reading the socket for it.
+    """
+
+    __slots__ = ("inner", "on_hang_up")
+
+    def __init__(self, inner: Any, on_hang_up: Callable[[], None]) -> None:
+        self.inner = inner
+        self.on_hang_up = on_hang_up
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        keep_open = self.inner.eof_received()
+        self.on_hang_up()
+        return keep_open
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.inner.connection_lost(exc)
+        self.on_hang_up()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
 
 
 class ClientConnection:
@@ -76,11 +110,9 @@ class ClientConnection:
         self._timer_at = 0.0
         # Armed no further ahead than this, so that no later phase finds it too late.
         self._arm_within = min(limits.header_timeout, limits.keepalive_timeout)
-        self._watcher: asyncio.Task[None] | None = None
-        # When a waiting handler starts watching its client (see watch_client).
-        self._watch_due: float | None = None
-        self._watch_timer: asyncio.TimerHandle | None = None
-        self._pending: list[bytes] = []
+        # Whether the running handler asked for a hang-up to cancel it (watch_client).
+        self._watching = False
+        self.transport.set_protocol(_HangUpHook(self.transport.get_protocol(), self._hung_up))
         self._head_bytes = 0
         self._head_reads: list[bytes] | None = None  # this cycle's reads until its head
         self._task: asyncio.Task[Any] | None = None
@@ -181,15 +213,6 @@ class ClientConnection:
     # -- reading, and watching for a hang-up while a handler waits
 
     async def _read(self) -> bytes:
-        watcher = self._watcher
-        if watcher is not None:
-            # The watcher owns the pending read until it returns; take its bytes.
-            self._watcher = None
-            await watcher
-        if self._pending:
-            data = b"".join(self._pending)
-            self._pending.clear()
-            return data
         if self.phase in (Phase.GONE, Phase.CLOSED):
             return b""
         try:
@@ -198,69 +221,26 @@ class ClientConnection:
             return b""
 
     def watch_client(self) -> None:
-        """While a handler waits on a backend, read the socket to notice a hang-up.
+        """While a handler waits on a backend, let a hang-up cancel it.
 
-        A hang-up cancels the handler's task, which closes its upstream
-        exchange at once (a decode server aborts the request when its
-        connection drops). Bytes of a pipelined next request are kept for the
-        next cycle, up to the head limit; past that reading stops and TCP
-        pushes back. The watcher keeps its read pending after the cycle: the
-        next read awaits it rather than racing it.
+        The handler's task is cancelled, which closes its upstream exchange at
+        once (a decode server aborts the request when its connection drops).
+        The transport keeps reading while the handler runs (the hang-up hook
+        sees EOF and resets as they arrive); bytes of a pipelined next request
+        stay in the reader's buffer for the next cycle, and past its limit
+        reading pauses and TCP pushes back.
         """
-        if self._watcher is None and not self.gone:
-            # Most exchanges end within WATCH_AFTER: they never pay for a task,
-            # and one lazy timer per connection serves all of them.
-            due = self._watch_due = self._loop.time() + WATCH_AFTER
-            if self._watch_timer is None:
-                self._watch_timer = self._loop.call_at(due, self._start_watching)
+        if not self.gone:
+            self._watching = True
 
-    def _start_watching(self) -> None:
-        self._watch_timer = None
-        due = self._watch_due
-        if due is None:
-            return
-        if self._loop.time() < due:  # a later exchange asked: its own time
-            self._watch_timer = self._loop.call_at(due, self._start_watching)
-            return
-        self._watch_due = None
-        if self.busy and self._watcher is None:
-            self._watcher = self._loop.create_task(self._watch())
-
-    async def _watch(self) -> None:
-        size = 0
-        while True:
-            try:
-                data = await self.reader.read(READ_SIZE)
-            except (ConnectionError, OSError):
-                data = b""
-            if not data:
-                if self.busy and self._task is not None:
-                    # Mid-request: the client left. Between requests, an EOF only
-                    # means no more requests; what we wrote still gets flushed.
-                    self.phase = Phase.GONE
-                    self._task.cancel()
-                elif self.phase not in _FINAL:
-                    self.phase = Phase.CLOSED
-                return
-            self._pending.append(data)
-            size += len(data)
-            if not self.busy or size > self.limits.max_header_bytes:
-                return
-
-    def _stop_watching(self) -> None:
-        self._cancel_watch_timer()
-        watcher, self._watcher = self._watcher, None
-        if watcher is not None and not watcher.done():
-            watcher.cancel()
-
-    def _cancel_watch_later(self) -> None:
-        self._watch_due = None  # the armed handle, if any, finds nothing to do
-
-    def _cancel_watch_timer(self) -> None:
-        self._watch_due = None
-        if self._watch_timer is not None:
-            self._watch_timer.cancel()
-            self._watch_timer = None
+    def _hung_up(self) -> None:
+        """The client sent EOF or the connection was lost (_HangUpHook)."""
+        if self._watching and self.phase is Phase.HANDLING and self._task is not None:
+            # Mid-request: the client left. Between requests, an EOF only means
+            # no more requests, which the next read finds.
+            self._watching = False
+            self.phase = Phase.GONE
+            self._task.cancel()
 
     async def _next_event(self) -> Any:
         conn = self.h11
@@ -303,7 +283,7 @@ class ClientConnection:
             log.exception("connection failed")
         finally:
             self._cancel_timer()
-            self._stop_watching()
+            self._watching = False
             if self.phase is Phase.REFUSED:
                 await self._linger_then_close()
             self.abort() if self.gone else self.close()
@@ -430,17 +410,14 @@ class ClientConnection:
                 return False
             await responder.send_bytes(500, internal_error())
         finally:
+            self._watching = False
             if self.phase is Phase.HANDLING:
                 self.phase = Phase.IDLE  # the loop arms the idle timer next
-            self._cancel_watch_later()
         if not responder.ended:
             return False
         if self.phase in _FINAL or conn.our_state is not h11.DONE \
                 or conn.their_state is not h11.DONE:
             return False
-        if self._pending:
-            conn.receive_data(b"".join(self._pending))
-            self._pending.clear()
         return True
 
     async def _reject(self, status: int, message: str, kind: str,
