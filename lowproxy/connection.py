@@ -347,7 +347,10 @@ class ClientConnection:
         if body is None:
             return None
         self._disarm()
-        return ClientRequest(event.method, origin_target(event.target), list(event.headers),
+        # The names lowercased as h11's Headers yields them, without its
+        # per-item Sequence iteration (raw_items() is one list comprehension).
+        headers = [(name.lower(), value) for name, value in event.headers.raw_items()]
+        return ClientRequest(event.method, origin_target(event.target), headers,
                              body, event.http_version)
 
     async def _reject_unparsable(self, exc: h11.RemoteProtocolError) -> None:
