@@ -83,7 +83,8 @@ def cells(line: str) -> list[str]:
 
 def documents_with_tables() -> dict[str, str]:
     return {"README.md": README, "deploy/kubernetes/README.md":
-            _read("deploy", "kubernetes", "README.md")}
+            _read("deploy", "kubernetes", "README.md"),
+            "docs/migration-from-gco.md": _read("docs", "migration-from-gco.md")}
 
 
 def test_every_table_starts_with_its_header_and_keeps_its_width():
@@ -177,3 +178,38 @@ def test_pyproject_cites_only_files_in_the_repository():
     assert "tests/test_httpcore_fence.py" in cited
     missing = sorted(path for path in cited if not os.path.exists(os.path.join(ROOT, path)))
     assert not missing, f"pyproject.toml cites files outside the repository: {missing}"
+
+
+# -- the docs a user looks for
+
+# Every variable the GCO Mooncake PD proxy (gco/services/mooncake_pd_proxy.py) reads.
+GCO_VARIABLES = ("PD_PROXY_HOST", "PD_PROXY_PORT", "PD_PROXY_PREFILL_URL", "PD_PROXY_DECODE_URL",
+                 "PD_PROXY_CA_FILE", "PD_PROXY_RESIDENCY_TIMEOUT_SECONDS",
+                 "PD_PROXY_NO_DECODE_BACKEND_STATUS", "PD_PROXY_NO_DECODE_BACKEND_MESSAGE",
+                 "ADMIN_API_KEY")
+# Its routes: the two health paths, the admin path, the generation suffixes, passthrough.
+GCO_ROUTES = ("`GET /health`", "`GET /healthz`", "`POST …/instances/add`",
+              "`POST …/chat/completions`", "`POST …/completions`", "`POST …/embeddings`",
+              "other `POST`s", "other `GET`s", "`GET /metrics`", "`GET /readyz`")
+
+
+def test_the_migration_guide_covers_every_gco_variable_and_route():
+    guide = _read("docs", "migration-from-gco.md")
+    assert "GCO Mooncake prefill-decode (PD) proxy" in guide
+    (variables,) = [lines for _, lines in tables(guide) if "GCO proxy variable" in lines[0]]
+    assert [cells(line)[0].strip("`") for line in variables[2:]] == list(GCO_VARIABLES)
+    (routes,) = [lines for _, lines in tables(guide) if cells(lines[0])[0] == "Request"]
+    first = " ".join(cells(line)[0] for line in routes[2:])
+    for route in GCO_ROUTES:
+        assert route in first, route
+    assert "docs/migration-from-gco.md" in README
+
+
+def test_the_changelog_keeps_unreleased_on_top_and_issues_most_recent_first():
+    changelog = _read("CHANGELOG.md")
+    headings = re.findall(r"^## (.+)$", changelog, re.M)
+    assert headings[0] == "Unreleased"
+    numbers = [int(n) for n in re.findall(r"^## Issue (\d+)", changelog, re.M)]
+    assert len(numbers) >= 10 and numbers == sorted(numbers, reverse=True)
+    unreleased = changelog.split("## Unreleased", 1)[1].split("\n## ", 1)[0]
+    assert "**Issue 23" in unreleased
