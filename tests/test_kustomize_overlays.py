@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from helpers import ROOT, chat, config_for, free_port, running_proxy
+from helpers import ROOT, chat, config_for, eventually, free_port, running_proxy
 from kustomize_lite import by_identity, render_kubectl, render_lite
 from lowproxy.config import SETTINGS, load_config
 from lowproxy.demo import start_pair
@@ -219,6 +219,12 @@ async def live_metrics() -> dict[str, set[str]]:
                 assert reply.status == 200
             assert (await running.request("POST", "/v1/chat/completions", chat())).status == 200
             assert (await running.request("POST", "/v1/nothing", raw_body=b"[")).status == 400
+            failures = running.proxy.metrics.endpoint_failures
+
+            async def dead_one_counted() -> bool:  # a request's or a health check's
+                return bool(failures.values)
+
+            await eventually(dead_one_counted, what="a failure of the dead prefill")
             reply = await running.request("GET", "/metrics")
             assert reply.status == 200
             return live_families(reply.body.decode())
