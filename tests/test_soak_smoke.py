@@ -159,6 +159,16 @@ def test_a_request_crossed_the_stray_only_if_it_arrived_before_it_left() -> None
             gate_side.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
             link = SimpleNamespace(writer=SimpleNamespace(get_extra_info=lambda _: gate_side))
             assert not GateLink._crossed(link, time.time_ns())  # nothing came
+            # Linux turns receive stamps on lazily (a deferred static key): until it
+            # has, a packet is stamped when it is read, not when it came. Wait for it.
+            for _ in range(200):
+                proxy.sendall(b"x")
+                select.select([gate_side], [], [], 5)
+                stamped = GateLink._crossed(link, time.time_ns())
+                assert gate_side.recv(1) == b"x"
+                if stamped:
+                    break
+                time.sleep(0.01)
             before = time.time_ns()
             proxy.sendall(b"POST")
             select.select([gate_side], [], [], 5)
