@@ -16,7 +16,7 @@ import pytest
 
 from helpers import CHAT, chat, pd_setup, request, wait_until
 from lowproxy.demo import start_pair
-from lowproxy.demo_sglang import refusal_message
+from lowproxy.demo.sglang import refusal_message
 
 COMPLETIONS = "/v1/completions"
 RESPONSES = "/v1/responses"
