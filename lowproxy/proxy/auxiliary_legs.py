@@ -56,17 +56,18 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
 
 
 async def send_abort(upstream: Upstream, endpoint: Endpoint, rids: tuple[str, ...], role: str,
-                     request_id: str, authorization: Headers | None = None) -> None:
+                     request_id: str, leg_headers: Headers | None = None) -> None:
     """``POST /abort_request {"rid": rid}`` for each rid the leg is served under.
 
     SGLang (one tokenizer worker) aborts the exact rid only, and a batch's
     children run as ``<rid>_<i>``: each is aborted by name, at most
     MAX_ABORTED_RIDS (the rest are left to SGLang noticing the closed
-    connection). ``authorization``: the legs' own, as SGLang's --api-key
-    guards this path too. Best effort and bounded: the outcome is logged,
+    connection). The ``authorization`` of ``leg_headers`` (the backend key,
+    or the client's with PD_PROXY_FORWARD_AUTHORIZATION) goes along, as
+    SGLang's --api-key guards this path too. Best effort and bounded: the outcome is logged,
     never raised; the first failure ends the round (the backend is gone).
     """
-    headers = [*ABORT_HEADERS, *(authorization or ())]
+    headers = [*ABORT_HEADERS, *(h for h in leg_headers or () if h[0] == b"authorization")]
     statuses: list[int] = []
     for rid in rids[:MAX_ABORTED_RIDS]:
         try:
@@ -136,3 +137,12 @@ def _close_late(task: asyncio.Task[UpstreamResponse]) -> None:
     if task.cancelled() or task.exception() is not None:
         return
     task.result().abandon()
+
+
+def decode_failed(task: asyncio.Task[UpstreamResponse]) -> bool:
+    """A decode leg that ended without a 2xx head: it raised, or answered an error."""
+    if not task.done():
+        return False
+    if task.cancelled() or task.exception() is not None:
+        return True
+    return not 200 <= task.result().status < 300

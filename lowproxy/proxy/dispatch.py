@@ -28,7 +28,13 @@ from ..observability.metrics import Metrics
 from ..routing.groups import BackendGroup
 from ..timeouts import deadline, first_done
 from ..upstream.pool import Endpoint, Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
-from .auxiliary_legs import BackgroundTasks, drop_decode, send_abort, send_prefill_leg
+from .auxiliary_legs import (
+    BackgroundTasks,
+    decode_failed,
+    drop_decode,
+    send_abort,
+    send_prefill_leg,
+)
 from .exchange import Exchange
 from .failures import (
     DecodeFailed,
@@ -46,15 +52,6 @@ from .tracing import Tracing
 MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
 
 log = logging.getLogger("lowproxy.exchange")
-
-
-def _failed(decode_task: asyncio.Task[UpstreamResponse]) -> bool:
-    """Decode's leg ended without a 2xx head: it raised, or answered an error."""
-    if not decode_task.done():
-        return False
-    if decode_task.cancelled() or decode_task.exception() is not None:
-        return True
-    return not 200 <= decode_task.result().status < 300
 
 
 class Dispatcher:
@@ -153,8 +150,8 @@ class Dispatcher:
             async with deadline(self.config.decode_timeout):
                 # Wait for prefill, or for decode to fail first (then answer at once).
                 await first_done(self.background.running_loop(), prefill_task, decode_task)
-                if _failed(decode_task) and not (prefill_task.done()
-                                                 and decode_task.exception() is None):
+                if decode_failed(decode_task) and (not prefill_task.done()
+                                                   or decode_task.exception() is not None):
                     # Decode raised, or answered an error while prefill still runs:
                     # that is the client's answer, and prefill is not waited for.
                     if not prefill_task.done():
@@ -186,13 +183,10 @@ class Dispatcher:
 
     def _close_prefill(self, exchange: Exchange, plan: Plan,
                        prefill_task: asyncio.Task[PrefillResult]) -> bool:
-        """Decode failed first: SGLang's prefill leg is aborted by rid and closed.
-
-        Its KV would be computed for a decode that is not there, and an SGLang
-        prefill waits for that decode up to SGLANG_DISAGGREGATION_WAITING_TIMEOUT
-        (300 s). A vLLM prefill leg is left to finish (bounded by the prefill
-        timeout): aborting it mid-transfer can leak KV blocks.
-        """
+        """Decode failed first: SGLang's prefill leg (which would wait for that
+        decode up to SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s) is aborted by
+        rid and closed; a vLLM one is left to finish, as aborting it
+        mid-transfer can leak KV blocks."""
         if not plan.abort_rids:
             return False
         self._abort(exchange, plan.prefill, "prefill")
@@ -420,20 +414,14 @@ class Dispatcher:
     # -- SGLang aborts: no leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT
 
     def _abort(self, exchange: Exchange, endpoint: Endpoint, role: str) -> None:
-        """Ask ``endpoint`` to abort this request's leg by its rids (SGLang only).
-
-        The abort carries the legs' own authorization (the backend key, or the
-        client's with PD_PROXY_FORWARD_AUTHORIZATION): SGLang's --api-key
-        guards /abort_request like every other path.
-        """
-        rids = exchange.abort_rids
-        if not rids:
+        """Ask ``endpoint`` to abort this request's leg by its rids (SGLang only),
+        with the legs' own authorization (SGLang's --api-key guards that path)."""
+        if not exchange.abort_rids:
             return
         if role == "decode":
             exchange.decode_endpoint = None  # once per leg
-        authorization = [h for h in exchange.upstream_headers if h[0] == b"authorization"]
-        self.background.spawn(send_abort(self.upstream, endpoint, rids, role,
-                                         exchange.request_id, authorization))
+        self.background.spawn(send_abort(self.upstream, endpoint, exchange.abort_rids, role,
+                                         exchange.request_id, exchange.upstream_headers))
 
     # -- prefill
 
