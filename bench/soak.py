@@ -14,7 +14,7 @@ and misbehave on that request only; client faults are played by the client.
   decode_closes    decode closes without answering
   decode_500       decode answers 500
   decode_slow      decode waits up to a second before answering
-  prefill_500      prefill answers 500 (the proxy recomputes on decode)
+  prefill_500      prefill answers 500 (the proxy recomputes on decode; 502 under sglang)
   prefill_hang     prefill never answers (bounded by the prefill timeout)
   vanish_body      the client hangs up in the middle of its request body
   vanish_stream    the client hangs up in the middle of a streamed answer

@@ -38,6 +38,10 @@ EXPECTED: dict[str | None, set[tuple[int, bool]] | None] = {
     # Framed by Transfer-Encoding (RFC 9112 6.3), or refused before the answer starts.
     "decode_cl_chunked": {(200, True), (502, True)},
 }
+# Under sglang a failed prefill is a 502: an SGLang decode cannot recompute (issue 19).
+SGLANG_EXPECTED: dict[str | None, set[tuple[int, bool]] | None] = {
+    "prefill_500": {(502, True)}, "prefill_hang": {(502, True)},
+}
 DETAILS_KEPT = 20
 
 
@@ -172,6 +176,9 @@ class Soak:
         # FaultGate.crossed): received, they are HTTP/1.1's ambiguity, not a fault.
         self.crossed: set[str] = set()
         self.pending: set[str] = set()  # FaultGate.pending: strays not yet judged
+        self.expected = dict(EXPECTED)
+        if getattr(args, "kv_protocol", None) == "sglang":
+            self.expected.update(SGLANG_EXPECTED)
 
     def pick_fault(self) -> str | None:
         if self.faults_wanted and random.random() < self.args.fault_rate:
@@ -237,7 +244,7 @@ class Soak:
             self.lost(fault, "connection closed without an answer")
             return
         wrong = wrong_answer(soak_id, stream, reply) if soak_id else None
-        expected = EXPECTED[fault] or set()
+        expected = self.expected[fault] or set()
         echoed = reply.header(b"x-soak-id")
         if wrong and echoed is not None and echoed.decode("ascii", "replace") in self.crossed:
             self.outcomes["crossed a stray"] += 1  # no HTTP/1.1 client could tell

@@ -33,7 +33,8 @@ LONG = " ".join(f"word{i}" for i in range(40))  # 40 tokens: two cacheable block
 
 @contextlib.asynccontextmanager
 async def cluster(kv_protocol: str = "mooncake", **overrides: Any):
-    prefill, decode = await start_pair(prompt_tokens_details=True, scale_out=True)
+    prefill, decode = await start_pair(prompt_tokens_details=True, scale_out=True,
+                                       sglang_pd=kv_protocol == "sglang")
     config = config_for(f"{prefill.url}#bootstrap_port={prefill.bootstrap_port}", decode.url,
                         kv_protocol=kv_protocol, **overrides)
     try:
@@ -139,12 +140,13 @@ async def test_requests_only_decode_can_serve_go_there_alone(path, body, reason)
         assert proxy.proxy.metrics.prefill_legs.get("mooncake", "skipped", reason) == 1
 
 
-async def test_sglang_sends_other_surfaces_to_decode_alone():
+async def test_sglang_splits_the_other_surfaces_too():
+    """Issue 19: an SGLang decode refuses a leg without a room, Messages included."""
     async with cluster("sglang") as (proxy, prefill, decode):
         reply = await proxy.request("POST", MESSAGES_PATH, messages_body())
         assert reply.status == 200, reply.body
-        assert prefill.requests_to(MESSAGES_PATH) == []
-        assert "bootstrap_room" not in decode.requests_to(MESSAGES_PATH)[0].body
+        [pf], [dc] = prefill.requests_to(MESSAGES_PATH), decode.requests_to(MESSAGES_PATH)
+        assert pf.body == dc.body and isinstance(dc.body["bootstrap_room"], int)
 
 
 async def test_openai_sdk_responses_create_and_stream():

@@ -28,7 +28,13 @@ from ..observability.metrics import Metrics
 from ..routing.groups import BackendGroup
 from ..timeouts import deadline, first_done
 from ..upstream.pool import Endpoint, Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
-from .auxiliary_legs import BackgroundTasks, drop_decode, send_abort, send_prefill_leg
+from .auxiliary_legs import (
+    BackgroundTasks,
+    decode_failed,
+    drop_decode,
+    send_abort,
+    send_prefill_leg,
+)
 from .exchange import Exchange
 from .failures import (
     DecodeFailed,
@@ -46,7 +52,6 @@ from .tracing import Tracing
 MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
 
 log = logging.getLogger("lowproxy.exchange")
-
 
 
 class Dispatcher:
@@ -86,7 +91,7 @@ class Dispatcher:
             if plan.skip_reason is not None:
                 exchange.skip_reason = plan.skip_reason
                 self.metrics.prefill_legs.inc(plan.handshake, "skipped", plan.skip_reason)
-            exchange.abort_rid = plan.abort_rid
+            exchange.abort_rids = plan.abort_rids
             response = await self._decode_response(exchange, responder, plan)
             del plan
             await self._copy_answer(exchange, responder, response)
@@ -140,18 +145,24 @@ class Dispatcher:
         decode_task = self.background.running_loop().create_task(
             self._open_decode(exchange, responder, plan.method, plan.decode_target,
                               plan.decode_body))
+        prefill_closed = False
         try:
             async with deadline(self.config.decode_timeout):
                 # Wait for prefill, or for decode to fail first (then answer at once).
                 await first_done(self.background.running_loop(), prefill_task, decode_task)
-                result = None
-                if not (decode_task.done() and decode_task.exception() is not None):
-                    result = (prefill_task.result() if prefill_task.done()
-                              else await asyncio.shield(prefill_task))
-                if result is None or result.ok:
+                if decode_failed(decode_task) and (not prefill_task.done()
+                                                   or decode_task.exception() is not None):
+                    # Decode raised, or answered an error while prefill still runs:
+                    # that is the client's answer, and prefill is not waited for.
+                    if not prefill_task.done():
+                        prefill_closed = self._close_prefill(exchange, plan, prefill_task)
+                    return await decode_task
+                result = (prefill_task.result() if prefill_task.done()
+                          else await asyncio.shield(prefill_task))
+                if result.ok:
                     response = await decode_task
-                    if result is not None:  # committed: decode reads the KV prefill made
-                        exchange.prefill_cached_tokens = result.cached_tokens
+                    # Committed: decode reads the KV prefill made.
+                    exchange.prefill_cached_tokens = result.cached_tokens
                 else:
                     self._drop_decode(exchange, decode_task)
                     body = self._without_kv(exchange, plan, result)
@@ -165,10 +176,22 @@ class Dispatcher:
             # The client left, or decode failed: abort decode at once; a prefill
             # still running is left to finish, unless it can be aborted by rid.
             self._drop_decode(exchange, decode_task)
-            if not prefill_task.done():
+            if not prefill_task.done() and not prefill_closed:
                 self._abort(exchange, plan.prefill, "prefill")
             raise
         return response
+
+    def _close_prefill(self, exchange: Exchange, plan: Plan,
+                       prefill_task: asyncio.Task[PrefillResult]) -> bool:
+        """Decode failed first: SGLang's prefill leg (which would wait for that
+        decode up to SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s) is aborted by
+        rid and closed; a vLLM one is left to finish, as aborting it
+        mid-transfer can leak KV blocks."""
+        if not plan.abort_rids:
+            return False
+        self._abort(exchange, plan.prefill, "prefill")
+        prefill_task.cancel()  # its connection is discarded: SGLang notices that too
+        return True
 
     def _drop_decode(self, exchange: Exchange,
                      task: asyncio.Task[UpstreamResponse]) -> None:
@@ -190,7 +213,9 @@ class Dispatcher:
             detail = failed.detail
         else:
             detail = failed
-        if self.config.on_prefill_failure == "error":
+        if self.config.on_prefill_failure == "error" or plan.handshake == "sglang":
+            # An SGLang decode in disaggregation mode refuses a request without a
+            # bootstrap room: it cannot recompute the prompt, whatever the policy.
             raise PrefillFailed(detail)
         self.metrics.prefill_legs.inc(plan.handshake, "recompute")
         logs.warn(log, "decode will recompute the prompt without transferred KV",
@@ -389,13 +414,14 @@ class Dispatcher:
     # -- SGLang aborts: no leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT
 
     def _abort(self, exchange: Exchange, endpoint: Endpoint, role: str) -> None:
-        """Ask ``endpoint`` to abort this request's leg by its rid (SGLang only)."""
-        rid = exchange.abort_rid
-        if rid is None:
+        """Ask ``endpoint`` to abort this request's leg by its rids (SGLang only),
+        with the legs' own authorization (SGLang's --api-key guards that path)."""
+        if not exchange.abort_rids:
             return
         if role == "decode":
             exchange.decode_endpoint = None  # once per leg
-        self.background.spawn(send_abort(self.upstream, endpoint, rid, role, exchange.request_id))
+        self.background.spawn(send_abort(self.upstream, endpoint, exchange.abort_rids, role,
+                                         exchange.request_id, exchange.upstream_headers))
 
     # -- prefill
 

@@ -48,6 +48,8 @@ METRICS_TYPE = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
 class Proxy:
     def __init__(self, config: Config, resolver: Resolver | None = None) -> None:
         self.config = config
+        # SGLang's native POST /generate is a generation surface under its handshake.
+        self.sglang = config.kv_protocol == "sglang"
         self.metrics = Metrics()
         self.trust = TrustStore(config.ca_file)
         if config.ca_file:
@@ -122,7 +124,7 @@ class Proxy:
     # -- the handler
 
     async def handle(self, request: ClientRequest, responder: ResponseWriter) -> None:
-        route = classify(request.method, request.path)
+        route = classify(request.method, request.path, self.sglang)
         if route == HEALTH:
             await self._local(responder, route, 200, answers.HEALTH_OK)
             return
@@ -240,7 +242,7 @@ class Proxy:
             await responder.send_bytes(400, answers.invalid_body(str(exc)))
             return
         request.body = b""  # parsed: a long stream must not keep the raw prompt too
-        surface = surface_of(request.path) or CHAT
+        surface = surface_of(request.path, self.sglang) or CHAT
         rejected = decode_would_reject(body, surface)
         if rejected is not None:
             # Decode would reject it after prefill computed a KV nobody reads.
