@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 from . import answers
-from .backends import BackendGroup
+from .backends import BackendGroup, ModelList, parse_models
 from .client_body import BodyError, parse_client_body
 from .config import EndpointSpec, parse_endpoint
 from .keys import BackendKey, bearer_token
@@ -94,7 +94,7 @@ class Instances:
         if present is not None:
             return 200, _ok(role, present)
         endpoint = Endpoint(spec)
-        why = await self._check(endpoint)
+        why, models = await self._check(endpoint)
         if why is not None:
             self.upstream.close_idle(endpoint)
             log.warning("admin: %s instance %s not added: %s", role, _shown(endpoint), why)
@@ -104,7 +104,9 @@ class Instances:
         if present is not None:
             self.upstream.close_idle(endpoint)
             return 200, _ok(role, present)
-        group.add(endpoint)
+        # The list just read routes at once: a decode for another model must get
+        # none of this model's requests while its first health check is pending.
+        group.add(endpoint, models)
         log.info("admin: %s instance %s added (in memory: a restart forgets it)",
                  role, _shown(endpoint))
         return 200, _ok(role, endpoint)
@@ -125,23 +127,23 @@ class Instances:
                  role, _shown(endpoint), endpoint.in_flight)
         return 200, _ok(role, endpoint)
 
-    async def _check(self, endpoint: Endpoint) -> str | None:
-        """Why the instance cannot be used, or None when it answered GET /v1/models."""
+    async def _check(self, endpoint: Endpoint) -> tuple[str | None, ModelList | None]:
+        """(why the instance cannot be used, or None; the models it listed, if in vLLM's shape)."""
         try:
             async with deadline(CHECK_SECONDS):
                 response = await self.upstream.request(
                     endpoint, b"GET", CHECK_TARGET, self.backend_key.headers(), None)
                 try:
-                    await response.read(MAX_CHECK_ANSWER_BYTES)
+                    raw = await response.read(MAX_CHECK_ANSWER_BYTES)
                 finally:
                     await response.aclose()
         except TimeoutError:
-            return f"did not answer GET /v1/models within {CHECK_SECONDS:g}s"
+            return f"did not answer GET /v1/models within {CHECK_SECONDS:g}s", None
         except UpstreamError as exc:
-            return exc.detail
+            return exc.detail, None
         if not 200 <= response.status < 300:
-            return f"answered {response.status} to GET /v1/models"
-        return None
+            return f"answered {response.status} to GET /v1/models", None
+        return None, parse_models(raw)
 
     def listing(self) -> dict[str, Any]:
         now = time.monotonic()

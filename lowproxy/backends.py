@@ -18,6 +18,7 @@ the caller; None when the request names none).
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import time
 from typing import Callable, Iterable
@@ -31,10 +32,25 @@ log = logging.getLogger("lowproxy.backends")
 COOLDOWN_SECONDS = 2.0
 HEADER_TARGETS_KEPT = 256  # pools kept for scheduler-named prefill targets
 
-# The model of the generation request being routed (None: any endpoint).
-
 # One endpoint's models: served name -> max_model_len (None when not reported).
 ModelList = dict[str, "int | None"]
+
+
+def parse_models(raw: bytes) -> ModelList | None:
+    """vLLM's /v1/models answer as {name: max_model_len}; None for another shape."""
+    try:
+        listed = json.loads(raw).get("data")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    if not isinstance(listed, list):
+        return None
+    models: ModelList = {}
+    for entry in listed:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+            length = entry.get("max_model_len")
+            ok = isinstance(length, int) and not isinstance(length, bool) and length > 0
+            models[entry["id"]] = length if ok else None
+    return models
 
 
 class BackendGroup:
@@ -52,6 +68,8 @@ class BackendGroup:
         self._healthy: list[Endpoint] = []
         self._serving: dict[str, list[Endpoint]] = {}  # by model: lists it, or unknown
         self._healthy_serving: dict[str, list[Endpoint]] = {}
+        self._unlisted: list[Endpoint] = []  # endpoints whose model list is not known
+        self._healthy_unlisted: list[Endpoint] = []
         self.specs = tuple(specs)
         self._static = [Endpoint(spec) for spec in self.specs if not spec.discover]
         self._discovered: dict[EndpointSpec, dict[str, Endpoint]] = {
@@ -142,21 +160,29 @@ class BackendGroup:
             for name in names}
         self._healthy_serving = {name: [e for e in serving if e not in self.unhealthy]
                                  for name, serving in self._serving.items()}
+        self._unlisted = [e for e in self.endpoints if e not in self.models]
+        self._healthy_unlisted = [e for e in self._unlisted if e not in self.unhealthy]
 
     def candidates(self, model: str | None = None) -> list[Endpoint]:
         """Healthy endpoints that may serve ``model`` (all healthy ones without a model).
 
         With one model behind the group, or none known, every healthy endpoint.
+        A model no list names may be served only by endpoints whose list is not
+        known (an endpoint listing other models is not one of them); with every
+        list known, by any (the model may have just been loaded).
         """
         if model is None or not self._serving:
             return self._healthy
-        return self._healthy_serving.get(model, self._healthy)
+        serving = self._healthy_serving.get(model)
+        if serving is not None:
+            return serving
+        return self._healthy_unlisted if self._unlisted else self._healthy
 
     def serving(self, model: str | None = None) -> list[Endpoint]:
         """Endpoints that may serve ``model``, whatever their health."""
         if model is None or not self._serving:
             return self.endpoints
-        return self._serving.get(model, self.endpoints)
+        return self._serving.get(model) or self._unlisted or self.endpoints
 
     def source(self, endpoint: Endpoint) -> str:
         """Where an endpoint came from: static (a URL), dns (discovered) or admin."""
@@ -172,8 +198,11 @@ class BackendGroup:
                 return endpoint
         return None
 
-    def add(self, endpoint: Endpoint) -> None:
+    def add(self, endpoint: Endpoint, models: ModelList | None = None) -> None:
+        """Register ``endpoint``; ``models``: the list it answered, routed by at once."""
         self._added.append(endpoint)
+        if models is not None:
+            self.models[endpoint] = models
         self._rebuild()
 
     def remove(self, endpoint: Endpoint, upstream: Upstream) -> None:

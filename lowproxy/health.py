@@ -22,13 +22,12 @@ no model lists, so no 404/400 from model knowledge either.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import OrderedDict
 from typing import Any, Iterable
 
 from . import answers
-from .backends import BackendGroup, ModelList
+from .backends import BackendGroup, parse_models
 from .config import Config
 from .keys import BackendKey
 from .timeouts import deadline
@@ -41,23 +40,6 @@ MODELS_TARGET = b"/v1/models"
 MAX_ANSWER_BYTES = 4 * 1024 * 1024
 MISSING_KEPT = 1024  # model names asked for and not found, remembered for their refresh
 CAP_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-
-
-def parse_models(raw: bytes) -> ModelList | None:
-    """vLLM's /v1/models answer as {name: max_model_len}; None for another shape."""
-    try:
-        listed = json.loads(raw).get("data")
-    except (ValueError, AttributeError):
-        return None
-    if not isinstance(listed, list):
-        return None
-    models: ModelList = {}
-    for entry in listed:
-        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
-            length = entry.get("max_model_len")
-            ok = isinstance(length, int) and not isinstance(length, bool) and length > 0
-            models[entry["id"]] = length if ok else None
-    return models
 
 
 class HealthMonitor:
