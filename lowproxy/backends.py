@@ -62,6 +62,7 @@ class BackendGroup:
         # health.py's knowledge, per endpoint
         self.failed_checks: dict[Endpoint, int] = {}
         self.checked: set[Endpoint] = set()
+        self.passed: set[Endpoint] = set()  # passed a check at least once
         self.unhealthy: set[Endpoint] = set()
         self.models: dict[Endpoint, ModelList] = {}
         self.on_new: Callable[[Endpoint], None] | None = None  # an endpoint appeared
@@ -94,6 +95,7 @@ class BackendGroup:
             for gone in [endpoint for endpoint in knowledge if endpoint not in present]:
                 del knowledge[gone]
         self.checked &= present
+        self.passed &= present
         self.unhealthy &= present
         self._reindex()
         if self.on_new is not None:
@@ -104,19 +106,26 @@ class BackendGroup:
     # -- what the active checks learned (health.py)
 
     def record_check(self, endpoint: Endpoint, ok: bool, failures_allowed: int) -> bool:
-        """One health check's result; True when the endpoint's health changed."""
+        """One health check's result; True when the endpoint's health changed.
+
+        ``failures_allowed`` in a row take out an endpoint that has passed a
+        check before (a flap is forgiven); one that never passed is out at its
+        first failure, so a decode unreachable from the start is never ready.
+        """
         if endpoint not in self.endpoints:
             return False  # removed while it was being checked
         self.checked.add(endpoint)
         was_out = endpoint in self.unhealthy
         if ok:
             self.failed_checks[endpoint] = 0
+            self.passed.add(endpoint)
             self.unhealthy.discard(endpoint)
         else:
             self.failed_checks[endpoint] = self.failed_checks.get(endpoint, 0) + 1
             if self.failed is not None:
                 self.failed.inc(self.role, endpoint.label, "health")
-            if self.failed_checks[endpoint] >= failures_allowed:
+            if (self.failed_checks[endpoint] >= failures_allowed
+                    or endpoint not in self.passed):
                 self.unhealthy.add(endpoint)
         changed = was_out != (endpoint in self.unhealthy)
         if changed:
@@ -231,10 +240,14 @@ class BackendGroup:
         now = time.monotonic() if now is None else now
         return sum(1 for endpoint in self.endpoints if endpoint.usable(now))
 
-    def ready_count(self) -> int:
-        """Endpoints neither cooling down nor out after failed health checks."""
+    def ready_count(self, checked_only: bool = False) -> int:
+        """Endpoints neither cooling down nor out after failed health checks.
+
+        ``checked_only`` (checks on): only endpoints a check has passed count.
+        """
         now = time.monotonic()
-        return sum(1 for endpoint in self._healthy if endpoint.usable(now))
+        return sum(1 for endpoint in self._healthy if endpoint.usable(now)
+                   and (not checked_only or endpoint in self.checked))
 
     def in_cooldown(self) -> int:
         now = time.monotonic()

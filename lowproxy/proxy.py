@@ -83,6 +83,7 @@ class Proxy:
         self.dispatch.start(loop)
         await self.refresh_discovery()
         self.health.start(loop)  # checks and model lists, in the background
+        await self.health.first_checks()  # bounded: ready only once decode was checked
         self._maintenance = loop.create_task(self._maintain())
 
     async def refresh_discovery(self) -> None:
@@ -220,8 +221,10 @@ class Proxy:
     async def _ready(self, responder: ResponseWriter) -> None:
         if self.draining:
             reason = "draining"
-        elif not self.decode.ready_count():
+        elif not self.decode.ready_count(checked_only=self.health.active):
             reason = ("no decode endpoint configured" if not self.decode.configured
+                      else "decode not checked yet" if self.health.active
+                      and not self.decode.checked
                       else "no healthy decode endpoint" if self.decode.usable_count()
                       else "no usable decode endpoint")
         else:
