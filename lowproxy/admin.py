@@ -10,7 +10,16 @@ takes the same body; ``GET .../instances`` lists every endpoint.
 
 Every admin path needs ADMIN_API_KEY (``x-admin-api-key`` or ``Authorization:
 Bearer``) and is answered here, never forwarded. Registrations live in memory:
-a restart forgets them (DNS discovery is the durable way).
+a restart forgets them (DNS discovery is the durable way). The model list the
+check read routes at once (backends.py), before the first health check.
+
+With --workers N (N > 1) add and remove are refused (409): each worker holds
+its own groups and a registration would reach only the worker that took the
+connection, so GET /instances would differ from call to call and most traffic
+would ignore it. Workers share no state but the listening socket and their
+metrics files; broadcasting through files would leave every registration
+half-applied for a while and lost in a race of two. The refusal says how to
+get the same result: the URL settings or a dns+ name, which every worker reads.
 """
 
 from __future__ import annotations
@@ -45,8 +54,9 @@ class Instances:
     """Answers the admin paths over the prefill and decode groups."""
 
     def __init__(self, admin_key: str, prefill: BackendGroup, decode: BackendGroup,
-                 upstream: Upstream, backend_key: BackendKey) -> None:
+                 upstream: Upstream, backend_key: BackendKey, workers: int = 1) -> None:
         self._admin_key = admin_key.encode()
+        self.workers = workers
         self.groups = {"prefill": prefill, "decode": decode}
         self.upstream = upstream
         self.backend_key = backend_key
@@ -82,6 +92,9 @@ class Instances:
             await responder.send_bytes(200, answers.ADMIN_OK)
             return
         role, spec = target
+        if self.workers > 1:
+            await responder.send_bytes(409, _refused_under_workers(action, self.workers))
+            return
         if action == "add":
             status, body = await self.add(role, spec)
         else:
@@ -187,6 +200,14 @@ def _parse_body(raw: bytes) -> tuple[str, EndpointSpec] | None:
     if spec.base_path:
         raise BadBody('"instance": a backend URL takes no path')
     return role, spec
+
+
+def _refused_under_workers(action: str, workers: int) -> bytes:
+    return answers.error_body(
+        409, f"instances/{action} is refused with {workers} workers (PD_PROXY_WORKERS): "
+        "a registration would reach only the worker that took this connection; list the "
+        "instance in PD_PROXY_PREFILL_URL or PD_PROXY_DECODE_URL (or behind a dns+ name), "
+        "or run one worker", "registration_needs_one_worker")
 
 
 def _shown(endpoint: Endpoint) -> str:

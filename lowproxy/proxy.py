@@ -68,7 +68,7 @@ class Proxy:
         self.backend_key = BackendKey(config.backend_api_key, config.backend_api_key_file)
         self.client_keys = ClientKeys(config.client_api_keys, config.client_api_keys_file)
         self.instances = Instances(config.admin_api_key, self.prefill, self.decode,
-                                   self.upstream, self.backend_key)
+                                   self.upstream, self.backend_key, config.workers)
         self.health = HealthMonitor(config, self.upstream, self.prefill, self.decode,
                                     self.backend_key)
         self.draining = False
