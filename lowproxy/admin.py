@@ -202,7 +202,7 @@ def _parse_body(raw: bytes) -> tuple[str, EndpointSpec] | None:
     return role, spec
 
 
-def _refused_under_workers(action: str, workers: int) -> bytes:
+def _refused_under_workers(action: str | None, workers: int) -> bytes:
     return answers.error_body(
         409, f"instances/{action} is refused with {workers} workers (PD_PROXY_WORKERS): "
         "a registration would reach only the worker that took this connection; list the "
