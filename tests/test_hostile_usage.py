@@ -20,8 +20,8 @@ import pytest
 
 from helpers import ScriptedBackend, config_for, running_proxy
 from lowproxy.demo import DemoBackend
+from lowproxy.handshakes.usage import rewrite_body, rewrite_events, rewrite_usage
 from lowproxy.routes import CHAT, COMPLETIONS, MESSAGES, RESPONSES
-from lowproxy.usage import rewrite_body, rewrite_events, rewrite_usage
 
 CHAT_PATH, COMPLETIONS_PATH = "/v1/chat/completions", "/v1/completions"
 RESPONSES_PATH, MESSAGES_PATH = "/v1/responses", "/v1/messages"

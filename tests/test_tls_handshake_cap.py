@@ -21,7 +21,7 @@ import trustme
 from test_client_tls import client_context, https_get, write_pair
 
 from helpers import Daemon, wait_until
-from lowproxy.server import HttpServer, Limits
+from lowproxy.downstream.server import HttpServer, Limits
 
 
 async def answer_ok(request: Any, responder: Any) -> None:
