@@ -149,15 +149,20 @@ class HttpServer:
 
     async def _accept_tls(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
+        failing = False  # one warning per run of failed accepts, not ten a second
         while True:
             try:
                 conn, _ = await loop.sock_accept(sock)
             except OSError as exc:
                 if sock.fileno() < 0:
                     return  # closed: stop_accepting
-                log.warning("accept failed (%s); retrying", exc)
+                if not failing:
+                    log.warning("accept failed (%s); retrying every %gs", exc,
+                                ACCEPT_RETRY_SECONDS)
+                failing = True
                 await asyncio.sleep(ACCEPT_RETRY_SECONDS)
                 continue
+            failing = False
             if self._full() or self.draining:
                 conn.close()  # no TLS yet: nothing a client could read; it sees the close
                 continue
