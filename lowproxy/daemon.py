@@ -82,6 +82,7 @@ def version_text() -> str:
 def limits_of(config: Config) -> Limits:
     return Limits(max_header_bytes=config.max_header_bytes, max_body_bytes=config.max_body_bytes,
                   header_timeout=config.header_timeout,
+                  tls_handshake_timeout=config.tls_handshake_timeout,
                   keepalive_timeout=config.keepalive_timeout,
                   max_connections=config.max_connections)
 

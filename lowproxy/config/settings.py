@@ -55,6 +55,14 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    """Seconds > 0 (an asyncio handshake bound cannot be 0)."""
+    value = seconds_value(text)
+    if not value > 0:
+        raise ValueError(f"{text!r} must be more than 0 seconds")
+    return value
+
+
 def _key_list(text: str) -> tuple[str, ...]:
     """Comma-separated keys (lowproxy/keys.py); never echoed in an error."""
     return tuple(item.strip() for item in text.split(",") if item.strip())
@@ -260,12 +268,19 @@ SETTINGS: tuple[Setting, ...] = (
         "30", "a request's head must arrive within this many seconds (408)",
     ),
     Setting(
+        "tls_handshake_timeout", "PD_PROXY_TLS_HANDSHAKE_TIMEOUT_SECONDS",
+        "--tls-handshake-timeout", _positive_seconds, "10",
+        "a client's TLS handshake must end within this many seconds of its accept (the "
+        "connection counts toward PD_PROXY_MAX_CONNECTIONS meanwhile)",
+    ),
+    Setting(
         "keepalive_timeout", "PD_PROXY_KEEPALIVE_SECONDS", "--keepalive", seconds_value, "75",
         "idle client keep-alive connections are closed after this many seconds",
     ),
     Setting(
         "max_connections", "PD_PROXY_MAX_CONNECTIONS", "--max-connections",
-        int_in(1, 10**7), "10000", "open client connections beyond this get 503",
+        int_in(1, 10**7), "10000", "open client connections (counted from accept, TLS "
+        "handshakes included) beyond this get 503, or are closed at once on the HTTPS port",
     ),
     Setting(
         "drain_seconds", "PD_PROXY_DRAIN_SECONDS", "--drain", seconds_value, "25",
@@ -342,6 +357,7 @@ class Config:
     max_header_bytes: int = 64 * 1024
     max_body_bytes: int = 32 * 1024 * 1024
     header_timeout: float = 30.0
+    tls_handshake_timeout: float = 10.0
     keepalive_timeout: float = 75.0
     max_connections: int = 10000
     drain_seconds: float = 25.0

@@ -71,7 +71,7 @@ class Proxy:
         self.backend_key = BackendKey(config.backend_api_key, config.backend_api_key_file)
         self.client_keys = ClientKeys(config.client_api_keys, config.client_api_keys_file)
         self.instances = Instances(config.admin_api_key, self.prefill, self.decode,
-                                   self.upstream, self.backend_key)
+                                   self.upstream, self.backend_key, config.workers)
         self.health = HealthMonitor(config, self.upstream, self.prefill, self.decode,
                                     self.backend_key)
         self.draining = False
@@ -86,6 +86,7 @@ class Proxy:
         self.dispatch.start(loop)
         await self.refresh_discovery()
         self.health.start(loop)  # checks and model lists, in the background
+        await self.health.first_checks()  # bounded: ready only once decode was checked
         self._maintenance = loop.create_task(self._maintain())
 
     async def refresh_discovery(self) -> None:
@@ -223,8 +224,10 @@ class Proxy:
     async def _ready(self, responder: ResponseWriter) -> None:
         if self.draining:
             reason = "draining"
-        elif not self.decode.ready_count():
+        elif not self.decode.ready_count(checked_only=self.health.active):
             reason = ("no decode endpoint configured" if not self.decode.configured
+                      else "decode not checked yet" if self.health.active
+                      and not self.decode.checked
                       else "no healthy decode endpoint" if self.decode.usable_count()
                       else "no usable decode endpoint")
         else:
