@@ -13,8 +13,10 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
+from .config_flags import Setting, UsageError, flag_text
+from .config_flags import build_parser as _build_parser
 from .config_values import (
     EndpointSpec,
     allow_list,
@@ -38,7 +40,16 @@ __all__ = ["SETTINGS", "Config", "ConfigError", "EndpointSpec", "Setting", "buil
 
 
 class ConfigError(ValueError):
-    """A setting that cannot be used; the message names the setting."""
+    """A setting that cannot be used; the message names the setting.
+
+    ``setting`` is the variable or flag named, when one is; ``usage`` marks a
+    command line argparse could not read (the daemon adds a short usage line).
+    """
+
+    def __init__(self, message: str, setting: str = "", usage: bool = False) -> None:
+        super().__init__(message)
+        self.setting = setting
+        self.usage = usage
 
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -55,20 +66,12 @@ def _ratio(text: str) -> float:
     return value
 
 
+_ratio.metavar = "RATIO"  # type: ignore[attr-defined]
+
+
 def _key_list(text: str) -> tuple[str, ...]:
     """Comma-separated keys (lowproxy/keys.py); never echoed in an error."""
     return tuple(item.strip() for item in text.split(",") if item.strip())
-
-
-@dataclass(frozen=True)
-class Setting:
-    field: str
-    env: str
-    flag: str
-    parse: Callable[[str], Any]
-    default: str
-    help: str
-    repeatable: bool = False  # the flag may be given several times (joined by commas)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -366,38 +369,22 @@ class Config:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lowproxy",
-        description="Prefill/decode proxy for disaggregated LLM serving. Every flag "
-        "also reads the environment variable shown; a flag wins over its variable.",
-    )
-    for setting in SETTINGS:
-        parser.add_argument(
-            setting.flag,
-            dest=setting.field,
-            action="append" if setting.repeatable else "store",
-            metavar=setting.env,
-            help=f"{setting.help} (env {setting.env}, default {setting.default!r})",
-        )
-    parser.add_argument("--demo", action="store_true",
-                        help="start embedded emulated vLLM prefill and decode backends "
-                        "and proxy to them")
-    parser.add_argument("--version", action="store_true",
-                        help="print the version and bundled dependency versions")
-    return parser
+    return _build_parser(SETTINGS)
 
 
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
                 ) -> tuple[Config, argparse.Namespace]:
     """Build the Config from the environment and argv (flags win). Raise ConfigError."""
     environ = os.environ if environ is None else environ
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as exc:
+        raise ConfigError(str(exc), usage=True) from None
     values: dict[str, Any] = {}
     for setting in SETTINGS:
         flagged = getattr(args, setting.field)
         if flagged is not None:
-            source = setting.flag
-            text = ",".join(flagged) if setting.repeatable else flagged
+            source, text = setting.flag, flag_text(setting, flagged)
         elif setting.env in environ:
             source, text = setting.env, environ[setting.env]
         else:
@@ -405,7 +392,7 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         try:
             values[setting.field] = setting.parse(text)
         except ValueError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
+            raise ConfigError(f"{source}: {exc}", source) from None
     values["demo"] = bool(args.demo)
     _check_keys(values)
     return Config(**values), args
@@ -421,10 +408,11 @@ def _check_keys(values: dict[str, Any]) -> None:
     for first, second in pairs:
         if values[first] and values[second]:
             a, b = named[first], named[second]
-            raise ConfigError(f"{a.env} ({a.flag}) and {b.env} ({b.flag}) cannot both be set")
+            raise ConfigError(f"{a.env} ({a.flag}) and {b.env} ({b.flag}) cannot both be set",
+                              a.env)
     for field, many in (("backend_api_key_file", False), ("client_api_keys_file", True)):
         if values[field]:
             try:
                 read_keys(values[field], many)
             except ValueError as exc:
-                raise ConfigError(f"{named[field].env}: {exc}") from None
+                raise ConfigError(f"{named[field].env}: {exc}", named[field].env) from None

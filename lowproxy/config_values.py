@@ -103,6 +103,7 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
             raise ValueError(f"{value} is outside {low}..{high}")
         return value
 
+    parse.metavar = "N"  # type: ignore[attr-defined]  # shown in --help (config_flags)
     return parse
 
 
@@ -140,6 +141,7 @@ def choice(*choices: str) -> Callable[[str], str]:
             raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
         return value
 
+    parse.metavar = "{" + ",".join(choices) + "}"  # type: ignore[attr-defined]
     return parse
 
 
@@ -164,6 +166,9 @@ def allow_list(text: str) -> tuple[str, ...]:
         else:  # a bad host:port must stop the start, not the first request
             split_host_port(entry)
     return entries
+
+
+allow_list.metavar = "TARGETS"  # type: ignore[attr-defined]
 
 
 def status_value(text: str) -> int:

@@ -32,6 +32,7 @@ import httpcore
 
 from . import __version__, logs
 from .config import SETTINGS, Config, ConfigError, load_config, parse_endpoint
+from .config_flags import SHORT_USAGE
 from .demo import start_pair
 from .metrics_share import MetricsShare, mark_dead
 from .proxy import Proxy
@@ -203,8 +204,9 @@ def _run(config: Config, listeners: Listeners, share: MetricsShare | None = None
         if UVLOOP_FACTORY is not None:
             loop_factory = UVLOOP_FACTORY
         elif config.loop == "uvloop":
-            print("lowproxy: PD_PROXY_LOOP: uvloop is not installed "
-                  "(pip install 'lowproxy[fast]')", file=sys.stderr)
+            logs.start_error("PD_PROXY_LOOP: uvloop is not installed (pip install "
+                             "'lowproxy[fast]')", config.log_format == "json",
+                             setting="PD_PROXY_LOOP")
             return 2
     loop = loop_factory()
     asyncio.set_event_loop(loop)
@@ -325,11 +327,25 @@ def warn_otel_without_sdk(config: Config) -> None:
                     "opentelemetry-distro and an exporter installed)")
 
 
+def json_requested(argv: list[str] | None, environ: Mapping[str, str]) -> bool:
+    """Whether start errors are JSON lines, read before (or without) a whole Config:
+    PD_PROXY_LOG_FORMAT or --log-format as given, whatever else failed to parse."""
+    args = sys.argv[1:] if argv is None else argv
+    value = environ.get("PD_PROXY_LOG_FORMAT", "")
+    for index, arg in enumerate(args):
+        if arg == "--log-format" and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith("--log-format="):
+            value = arg.partition("=")[2]
+    return value.strip().lower() == "json"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config, args = load_config(argv)
     except ConfigError as exc:
-        print(f"lowproxy: {exc}", file=sys.stderr)
+        logs.start_error(str(exc), json_requested(argv, os.environ), setting=exc.setting,
+                         usage=SHORT_USAGE if exc.usage else "")
         return 2
     if args.version:
         print(version_text())
@@ -340,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
         check_start(config)
         listeners = open_listeners(config)
     except StartError as exc:
-        print(f"lowproxy: {exc}", file=sys.stderr)
+        logs.start_error(str(exc), config.log_format == "json")
         return 2
     warn_otel_without_sdk(config)
     try:

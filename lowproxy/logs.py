@@ -174,6 +174,28 @@ def configure(level: str, fmt: str) -> None:
     _writer = _AccessWriter(sys.stderr, fmt == "json")
 
 
+def start_error(message: str, json_format: bool, **fields: Any) -> None:
+    """A mistake found at start, before logging is set up: one line on stderr.
+
+    Text: ``lowproxy: <message>`` (and a ``usage`` field as its own short line);
+    JSON: one object, as every other line under PD_PROXY_LOG_FORMAT=json.
+    """
+    if json_format:
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "level": "error",
+                 "logger": "lowproxy", "message": message, "exit_status": 2}
+        entry.update({key: value for key, value in fields.items() if value})
+        lines = [json.dumps(entry, separators=(",", ":"))]
+    else:
+        lines = [f"lowproxy: {text_message(message)}"]
+        if fields.get("usage"):
+            lines.append(fields["usage"])
+    try:
+        sys.stderr.write("\n".join(lines) + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # pragma: no cover - nowhere left to say it
+        pass
+
+
 def warn(logger: logging.Logger, message: str, request_id: str | None = None,
          **fields: Any) -> None:
     """A warning an operator can act on, carrying the request id."""
