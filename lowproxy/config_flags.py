@@ -1,7 +1,8 @@
 """How the settings become command-line flags: one Setting, one flag (or a pair).
 
-A boolean setting is a pair of flags (``--trace`` / ``--no-trace``), its
-variable keeps taking 1/0, true/false, yes/no, on/off. Every other flag takes a
+A boolean setting is a pair of flags (``--trace`` / ``--no-trace``); the first
+also takes a value as its variable does (1/0, true/false, yes/no, on/off), so
+``--trace 0`` still means what it meant before the flag was a switch. Every other flag takes a
 value whose metavar says what it is (``--port PORT``, ``--prefill URL``).
 
 A mistake on the command line (an unknown flag, a missing value) raises
@@ -18,7 +19,7 @@ from typing import Any, Callable, NoReturn, Sequence
 
 from .config_values import bool_value, endpoints, optional_seconds, seconds_value
 
-SHORT_USAGE = "usage: lowproxy [--FLAG VALUE | --FLAG | --no-FLAG]... (lowproxy --help lists them)"
+SHORT_USAGE = "usage: lowproxy [--FLAG VALUE | --FLAG | --no-FLAG]... (lowproxy --help lists all)"
 
 
 class UsageError(ValueError):
@@ -91,8 +92,12 @@ def build_parser(settings: Sequence[Setting]) -> argparse.ArgumentParser:
     for setting in settings:
         described = f"{setting.help} (env {setting.env}, default {setting.default!r})"
         if setting.boolean:
-            parser.add_argument(setting.flag, dest=setting.field, default=None,
-                                action=argparse.BooleanOptionalAction, help=described)
+            # --trace alone turns it on; --trace 0 / --trace=1 (what the flag took
+            # before it was a switch) keep working, parsed like the variable.
+            parser.add_argument(setting.flag, dest=setting.field, nargs="?", const="1",
+                                metavar="BOOL", help=described)
+            parser.add_argument("--no-" + setting.flag[2:], dest=setting.field,
+                                action="store_const", const="0", help=f"= {setting.flag} 0")
         else:
             parser.add_argument(setting.flag, dest=setting.field,
                                 action="append" if setting.repeatable else "store",
@@ -107,8 +112,6 @@ def build_parser(settings: Sequence[Setting]) -> argparse.ArgumentParser:
 
 def flag_text(setting: Setting, flagged: Any) -> str:
     """What a given flag stands for, as the setting's variable would hold it."""
-    if setting.boolean:
-        return "1" if flagged else "0"
     return ",".join(flagged) if setting.repeatable else str(flagged)
 
 

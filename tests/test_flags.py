@@ -32,6 +32,13 @@ def test_the_variables_take_the_same_values_as_before(text, value):
     assert load_config([], {"PD_PROXY_TRACE": text})[0].trace is value
 
 
+def test_a_value_after_the_flag_still_means_what_it_meant():
+    # Scripts written before the flags were switches: --otel 0 is still off.
+    assert load_config(["--otel", "0"], {"PD_PROXY_OTEL": "1"})[0].otel is False
+    assert load_config(["--otel=yes"], {})[0].otel is True
+    assert load_config(["--trace", "--otel"], {})[0].otel is True
+
+
 def test_a_bad_boolean_variable_names_the_variable():
     with pytest.raises(ConfigError) as caught:
         load_config([], {"PD_PROXY_OTEL": "maybe"})
@@ -41,7 +48,7 @@ def test_a_bad_boolean_variable_names_the_variable():
 def test_metavars_read_as_values():
     usage = build_parser().format_usage()
     for shown in ("--port PORT", "--prefill URL", "--ca-file FILE", "--prefill-timeout SECONDS",
-                  "--workers N", "--trace | --no-trace", "--kv-protocol {relay,mooncake,sglang}"):
+                  "--workers N", "--trace [BOOL]] [--no-trace]", "--kv-protocol {relay,mooncake,sglang}"):
         assert shown in usage, shown
     assert "PD_PROXY_" not in usage  # the variables are in the help text, not the metavars
 
@@ -55,11 +62,14 @@ def _refused(args: list[str], env: dict[str, str] | None = None) -> list[str]:
 
 
 def test_a_flag_mistake_names_the_flag_with_a_short_usage():
-    first, usage = _refused(["--trace=yes"])
-    assert "--trace" in first and "'yes'" in first
-    assert usage.startswith("usage: lowproxy") and len(usage) < 120
     first, usage = _refused(["--trcae"])
     assert "--trcae" in first and "did you mean --trace?" in first
+    assert usage.startswith("usage: lowproxy") and len(usage) < 100
+    first, usage = _refused(["--port"])
+    assert "--port" in first and "expected one argument" in first
+    # A value that does not parse: one line naming the flag, or the variable.
+    [line] = _refused(["--trace=maybe"], {"PD_PROXY_TRACE": "1"})
+    assert line.startswith("lowproxy: --trace:") and "'maybe'" in line
     [line] = _refused(["--port", "eighty"], {"PD_PROXY_PORT": "8000"})
     assert line.startswith("lowproxy: --port:") and "PD_PROXY_PORT" not in line
     [line] = _refused([], {"PD_PROXY_PORT": "eighty"})
@@ -67,10 +77,12 @@ def test_a_flag_mistake_names_the_flag_with_a_short_usage():
 
 
 def test_a_flag_mistake_under_json_logs_is_one_json_line():
-    [line] = _refused(["--log-format", "json", "--trace=yes"])
+    [line] = _refused(["--log-format", "json", "--trcae"])
     entry = json.loads(line)
-    assert entry["level"] == "error" and "--trace" in entry["message"]
+    assert entry["level"] == "error" and "did you mean --trace?" in entry["message"]
     assert entry["usage"].startswith("usage: lowproxy")
+    [line] = _refused(["--otel=maybe"], {"PD_PROXY_LOG_FORMAT": "json"})
+    assert json.loads(line)["setting"] == "--otel"
 
 
 async def _traceparent_at_decode(args: list[str], env: dict[str, str]) -> bytes | None:
