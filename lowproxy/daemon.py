@@ -227,6 +227,7 @@ def _run_workers(config: Config, listeners: Listeners) -> int:
     config = dataclasses.replace(config, port=port)
 
     def run_worker(index: int, seq: int) -> int:
+        logs.configure(config.log_level, config.log_format, worker=index)  # in the fork
         return _run(config, listeners, MetricsShare(directory, seq), worker=index)
 
     supervisor = Supervisor(config.workers, run_worker, lambda seq: mark_dead(directory, seq))

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import platform
 import time
 from typing import Iterable
 
-from . import answers, logs
+from . import __version__, answers, logs
 from .admin import Instances
 from .affinity import PromptFacts, prompt_facts
 from .backends import BackendGroup, PrefillTargetAllowList
@@ -91,6 +92,8 @@ class Proxy:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        loop_name = "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+        self.metrics.build_info = (__version__, platform.python_version(), loop_name)
         self.dispatch.start(loop)
         await self.refresh_discovery()
         self.health.start(loop)  # checks and model lists, in the background

@@ -48,7 +48,8 @@ def test_a_bad_boolean_variable_names_the_variable():
 def test_metavars_read_as_values():
     usage = build_parser().format_usage()
     for shown in ("--port PORT", "--prefill URL", "--ca-file FILE", "--prefill-timeout SECONDS",
-                  "--workers N", "--trace [BOOL]] [--no-trace]", "--kv-protocol {relay,mooncake,sglang}"):
+                  "--workers N", "--trace [BOOL]] [--no-trace]",
+                  "--kv-protocol {relay,mooncake,sglang}"):
         assert shown in usage, shown
     assert "PD_PROXY_" not in usage  # the variables are in the help text, not the metavars
 
