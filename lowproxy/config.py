@@ -32,6 +32,7 @@ from .config_values import (
     status_value,
     stripped,
     text_value,
+    words,
 )
 from .keys import read_keys
 
@@ -289,6 +290,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("workers", "PD_PROXY_WORKERS", "--workers", int_in(1, 256), "1",
             "worker processes serving the port (bound once by the parent; a worker that "
             "dies is restarted)"),
+    Setting("demo_args", "PD_PROXY_DEMO_ARGS", "--demo-args", words, "",
+            "with --demo: the demo backends' own options, as python -m lowproxy.demo takes "
+            "them (such as '--enable-scale-out --eos-first 0.05')"),
     # -- client-side TLS (issue 13)
     Setting("tls_cert_file", "PD_PROXY_TLS_CERT_FILE", "--tls-cert-file", stripped, "",
             "certificate chain (PEM) to serve HTTPS on the main port with; re-read when "
@@ -353,6 +357,7 @@ class Config:
     otel: bool = False
     loop: str = "auto"
     workers: int = 1
+    demo_args: tuple[str, ...] = ()
     # -- client-side TLS (issue 13)
     tls_cert_file: str = ""
     tls_key_file: str = ""

@@ -9,6 +9,7 @@ prefill targets all go through it, so they agree on what a port is.
 from __future__ import annotations
 
 import ipaddress
+import shlex
 from dataclasses import dataclass
 from typing import Callable
 
@@ -169,6 +170,14 @@ def allow_list(text: str) -> tuple[str, ...]:
 
 
 allow_list.metavar = "TARGETS"  # type: ignore[attr-defined]
+
+
+def words(text: str) -> tuple[str, ...]:
+    """Options as a shell would split them (quotes kept together)."""
+    return tuple(shlex.split(text))
+
+
+words.metavar = "OPTIONS"  # type: ignore[attr-defined]
 
 
 def status_value(text: str) -> int:

@@ -34,6 +34,7 @@ from . import __version__, logs
 from .config import SETTINGS, Config, ConfigError, load_config, parse_endpoint
 from .config_flags import SHORT_USAGE
 from .demo import start_pair
+from .demo_cli import pair_options
 from .metrics_share import MetricsShare, mark_dead
 from .proxy import Proxy
 from .server import HttpServer, Limits
@@ -91,7 +92,7 @@ async def serve(config: Config, listeners: Listeners, ready: asyncio.Future[int]
     """Run one proxy process until a signal drains it; return the exit status."""
     demo = None
     if config.demo:
-        demo = await start_pair()
+        demo = await start_pair(**pair_options(config.demo_args))  # checked at start
         config = dataclasses.replace(
             config, prefill=(parse_endpoint(demo[0].url + f"#bootstrap_port="
                                             f"{demo[0].bootstrap_port}"),),
@@ -249,6 +250,13 @@ def check_start(config: Config) -> None:
                          "(PD_PROXY_PORT): choose another one")
     if bool(config.tls_cert_file) != bool(config.tls_key_file):
         raise StartError("PD_PROXY_TLS_CERT_FILE and PD_PROXY_TLS_KEY_FILE go together")
+    if config.demo_args and not config.demo:
+        raise StartError("PD_PROXY_DEMO_ARGS (--demo-args) is set, but not --demo")
+    if config.demo:
+        try:
+            pair_options(config.demo_args)
+        except ValueError as exc:
+            raise StartError(f"PD_PROXY_DEMO_ARGS (--demo-args): {exc}") from None
     if config.tls_client_ca_file and not config.tls_cert_file:
         raise StartError("PD_PROXY_TLS_CLIENT_CA_FILE needs PD_PROXY_TLS_CERT_FILE and "
                          "PD_PROXY_TLS_KEY_FILE (mTLS is on the HTTPS port)")

@@ -16,15 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-from typing import Any
+from typing import Any, NoReturn, Sequence
 
 from .demo import MODEL, DemoBackend, start_pair
 from .demo_handshake import MOONCAKE_LEGACY, NIXL
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m lowproxy.demo",
+def parser(kind: type[argparse.ArgumentParser] = argparse.ArgumentParser
+           ) -> argparse.ArgumentParser:
+    p = kind(
+        prog="python -m lowproxy.demo", allow_abbrev=False,
         description="Emulated vLLM 0.33 prefill/decode servers (and SGLang PD), "
                     "strict where vLLM is strict. Prints one JSON line with the URLs.")
     p.add_argument("--role", choices=("pair", "prefill", "decode"), default="pair",
@@ -82,6 +83,31 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+class _OptionsParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ValueError(message)
+
+
+def pair_options(argv: Sequence[str]) -> dict[str, Any]:
+    """start_pair()'s arguments from this command line's options (lowproxy --demo-args).
+
+    Raises ValueError, naming the option, for one this parser does not take or
+    for --role other than pair: ``lowproxy --demo`` always runs a pair.
+    """
+    args = parser(_OptionsParser).parse_args(list(argv))
+    if args.role != "pair" or args.port is not None:
+        raise ValueError("--role and --port are for separate demo processes; --demo runs "
+                         "a pair (--prefill-port, --decode-port)")
+    return pair_kwargs(args)
+
+
+def pair_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {"host": args.host, "ranks": args.ranks, "stream_chunks": args.stream_chunks,
+            "chunk_delay": args.chunk_delay, "record": args.record,
+            "ports": (args.prefill_port, args.decode_port),
+            "bootstrap_port": args.bootstrap_port, **knobs_of(args)}
+
+
 def knobs_of(args: argparse.Namespace) -> dict[str, Any]:
     return {"kv_wait_timeout": None if args.kv_wait_timeout < 0 else args.kv_wait_timeout,
             "api_key": args.api_key, "served_model_names": args.served_model_name,
@@ -95,11 +121,7 @@ def knobs_of(args: argparse.Namespace) -> dict[str, Any]:
 async def serve(args: argparse.Namespace) -> None:
     knobs = knobs_of(args)
     if args.role == "pair":
-        prefill, decode = await start_pair(
-            args.host, ranks=args.ranks, stream_chunks=args.stream_chunks,
-            chunk_delay=args.chunk_delay, record=args.record,
-            ports=(args.prefill_port, args.decode_port), bootstrap_port=args.bootstrap_port,
-            **knobs)
+        prefill, decode = await start_pair(**pair_kwargs(args))
         info: dict[str, Any] = {"prefill": prefill.url, "decode": decode.url,
                                 "bootstrap_port": prefill.bootstrap_port}
     else:
