@@ -13,7 +13,7 @@ import argparse
 import dataclasses
 import os
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .config_flags import Setting, UsageError, flag_text
 from .config_flags import build_parser as _build_parser
@@ -37,7 +37,7 @@ from .config_values import (
 from .keys import read_keys
 
 __all__ = ["SETTINGS", "Config", "ConfigError", "EndpointSpec", "Setting", "build_parser",
-           "load_config", "parse_endpoint", "parse_port", "split_host_port"]
+           "load_config", "parse_endpoint", "parse_port", "setting_name", "split_host_port"]
 
 
 class ConfigError(ValueError):
@@ -401,6 +401,18 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
     values["demo"] = bool(args.demo)
     _check_keys(values)
     return Config(**values), args
+
+
+def setting_name(args: argparse.Namespace | None = None) -> Callable[[str], str]:
+    """How a start error names a setting (by field): its flag when the flag was given
+    on the command line (``args``), else its variable."""
+    by_field = {setting.field: setting for setting in SETTINGS}
+
+    def name(field: str) -> str:
+        setting = by_field[field]
+        return setting.flag if getattr(args, field, None) is not None else setting.env
+
+    return name
 
 
 def _check_keys(values: dict[str, Any]) -> None:

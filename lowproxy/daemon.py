@@ -31,7 +31,7 @@ import h11
 import httpcore
 
 from . import __version__, logs
-from .config import SETTINGS, Config, ConfigError, load_config, parse_endpoint
+from .config import SETTINGS, Config, ConfigError, load_config, parse_endpoint, setting_name
 from .config_flags import SHORT_USAGE
 from .demo import start_pair
 from .demo_cli import pair_options
@@ -243,23 +243,25 @@ def _run_workers(config: Config, listeners: Listeners) -> int:
 # -- start-up checks: each raises StartError with one line
 
 
-def check_start(config: Config) -> None:
-    """Settings that parse but cannot work together, and files that cannot be used."""
+def check_start(config: Config, name: Callable[[str], str] = setting_name()) -> None:
+    """Settings that parse but cannot work together, and files that cannot be used.
+
+    ``name(field)`` is how the line names a setting: its flag when that was given."""
     if config.metrics_port and config.metrics_port == config.port:
-        raise StartError(f"PD_PROXY_METRICS_PORT {config.metrics_port} is the main port "
-                         "(PD_PROXY_PORT): choose another one")
+        raise StartError(f"{name('metrics_port')} {config.metrics_port} is the main port "
+                         f"({name('port')}): choose another one")
     if bool(config.tls_cert_file) != bool(config.tls_key_file):
-        raise StartError("PD_PROXY_TLS_CERT_FILE and PD_PROXY_TLS_KEY_FILE go together")
+        raise StartError(f"{name('tls_cert_file')} and {name('tls_key_file')} go together")
     if config.demo_args and not config.demo:
-        raise StartError("PD_PROXY_DEMO_ARGS (--demo-args) is set, but not --demo")
+        raise StartError(f"{name('demo_args')} is set, but not --demo")
     if config.demo:
         try:
             pair_options(config.demo_args)
         except ValueError as exc:
-            raise StartError(f"PD_PROXY_DEMO_ARGS (--demo-args): {exc}") from None
+            raise StartError(f"{name('demo_args')}: {exc}") from None
     if config.tls_client_ca_file and not config.tls_cert_file:
-        raise StartError("PD_PROXY_TLS_CLIENT_CA_FILE needs PD_PROXY_TLS_CERT_FILE and "
-                         "PD_PROXY_TLS_KEY_FILE (mTLS is on the HTTPS port)")
+        raise StartError(f"{name('tls_client_ca_file')} needs {name('tls_cert_file')} and "
+                         f"{name('tls_key_file')} (mTLS is on the HTTPS port)")
     try:
         if config.ca_file:
             TrustStore(config.ca_file).context()
@@ -274,13 +276,14 @@ def server_certificate(config: Config) -> ServerCertificate:
                              config.tls_client_ca_file)
 
 
-def bind(host: str, port: int, setting: str) -> socket.socket:
+def bind(host: str, port: int, setting: str, host_setting: str = "PD_PROXY_HOST"
+         ) -> socket.socket:
     """Bind and listen on host:port, without SO_REUSEPORT: the port is ours alone."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
-        raise StartError(f"cannot listen on {host}:{port} (PD_PROXY_HOST: "
+        raise StartError(f"cannot listen on {host}:{port} ({host_setting}: "
                          f"{exc.strerror})") from None
     sock = socket.socket(family, kind, proto)
     try:
@@ -294,18 +297,19 @@ def bind(host: str, port: int, setting: str) -> socket.socket:
         if exc.errno == errno.EADDRINUSE:
             reason = f"{setting}: address in use (another process listens there)"
         else:
-            reason = f"PD_PROXY_HOST: {exc.strerror or exc}"
+            reason = f"{host_setting}: {exc.strerror or exc}"
         raise StartError(f"cannot listen on {host}:{port} ({reason})") from None
     sock.set_inheritable(False)
     return sock
 
 
-def open_listeners(config: Config) -> Listeners:
-    main = bind(config.host, config.port, "PD_PROXY_PORT")
+def open_listeners(config: Config, name: Callable[[str], str] = setting_name()) -> Listeners:
+    main = bind(config.host, config.port, name("port"), name("host"))
     if not config.metrics_port:
         return Listeners(main)
     try:
-        return Listeners(main, bind(config.host, config.metrics_port, "PD_PROXY_METRICS_PORT"))
+        return Listeners(main, bind(config.host, config.metrics_port, name("metrics_port"),
+                                    name("host")))
     except StartError:
         main.close()
         raise
@@ -362,8 +366,9 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(config.log_level, config.log_format)
     warn_unknown_variables(os.environ)
     try:
-        check_start(config)
-        listeners = open_listeners(config)
+        name = setting_name(args)
+        check_start(config, name)
+        listeners = open_listeners(config, name)
     except StartError as exc:
         logs.start_error(str(exc), config.log_format == "json")
         return 2

@@ -53,16 +53,16 @@ async def test_demo_args_reach_the_demo_backends():
         assert await asyncio.to_thread(daemon.stop) == 0
 
 
-@pytest.mark.parametrize("args, env, named", [
-    (["--demo", "--demo-args", "--no-such-option 1"], {}, "--no-such-option"),
-    (["--demo"], {"PD_PROXY_DEMO_ARGS": "--role decode"}, "--role"),
-    ([], {"PD_PROXY_DEMO_ARGS": "--enable-scale-out"}, "not --demo"),
+@pytest.mark.parametrize("args, env, setting, named", [
+    (["--demo", "--demo-args", "--no-such-option 1"], {}, "--demo-args", "--no-such-option"),
+    (["--demo"], {"PD_PROXY_DEMO_ARGS": "--role decode"}, "PD_PROXY_DEMO_ARGS", "--role"),
+    ([], {"PD_PROXY_DEMO_ARGS": "--enable-scale-out"}, "PD_PROXY_DEMO_ARGS", "not --demo"),
 ])
-def test_demo_args_mistakes_stop_the_start(args, env, named):
+def test_demo_args_mistakes_stop_the_start(args, env, setting, named):
     daemon = Daemon(args, {**BASE, **env})
     assert daemon.proc.wait(30) == 2
     [line] = [line for line in daemon.output().splitlines() if line.strip()]
-    assert "PD_PROXY_DEMO_ARGS" in line and named in line
+    assert line.startswith(f"lowproxy: {setting}") and named in line
 
 
 def test_the_readme_demo_command_binds_loopback():

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from helpers import CHAT, Daemon, ScriptedBackend, chat, request
+from helpers import CHAT, Daemon, ScriptedBackend, chat, free_port, request
 from lowproxy.config import SETTINGS, ConfigError, build_parser, load_config
 
 BASE = {"PD_PROXY_HOST": "127.0.0.1", "PD_PROXY_PORT": "0", "PD_PROXY_LOOP": "asyncio",
@@ -75,6 +75,14 @@ def test_a_flag_mistake_names_the_flag_with_a_short_usage():
     assert line.startswith("lowproxy: --port:") and "PD_PROXY_PORT" not in line
     [line] = _refused([], {"PD_PROXY_PORT": "eighty"})
     assert line.startswith("lowproxy: PD_PROXY_PORT:")
+
+
+def test_start_checks_name_the_flags_given():
+    port = str(free_port())
+    [line] = _refused(["--port", port, "--metrics-port", port])
+    assert "--metrics-port" in line and "(--port)" in line and "PD_PROXY_" not in line
+    [line] = _refused([], {"PD_PROXY_PORT": port, "PD_PROXY_METRICS_PORT": port})
+    assert "PD_PROXY_METRICS_PORT" in line and "(PD_PROXY_PORT)" in line
 
 
 def test_a_flag_mistake_under_json_logs_is_one_json_line():
