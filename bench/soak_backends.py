@@ -28,7 +28,7 @@ import h11
 
 from lowproxy.answers import json_body
 from lowproxy.demo import DemoBackend, KvRegistry
-from lowproxy.messages import AbortResponse
+from lowproxy.downstream import AbortResponse
 
 # A whole second response, as a backend that owes one answer might write two.
 STRAY_BODY = json_body({"id": "chatcmpl-stray", "object": "chat.completion",

@@ -30,14 +30,22 @@ from typing import Callable, Mapping
 import h11
 import httpcore
 
-from . import __version__, logs
-from .config import SETTINGS, Config, ConfigError, load_config, parse_endpoint, setting_name
-from .config_flags import SHORT_USAGE
-from .demo import start_pair
-from .demo_cli import pair_options
-from .metrics_share import MetricsShare, mark_dead
-from .proxy import Proxy
-from .server import HttpServer, Limits
+from . import __version__
+from .config.flags import SHORT_USAGE
+from .config.settings import (
+    SETTINGS,
+    Config,
+    ConfigError,
+    load_config,
+    parse_endpoint,
+    setting_name,
+)
+from .demo.backend import start_pair
+from .demo.options import pair_options
+from .downstream.server import HttpServer, Limits
+from .observability import logs
+from .observability.share import MetricsShare, mark_dead
+from .proxy.handler import Proxy
 from .tls import ServerCertificate, TrustStore, TrustUnavailable
 from .workers import Supervisor
 

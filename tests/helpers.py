@@ -23,8 +23,8 @@ import h11
 from lowproxy.config import Config, parse_endpoint
 from lowproxy.daemon import limits_of
 from lowproxy.demo import DemoBackend, start_pair
+from lowproxy.downstream import HttpServer
 from lowproxy.proxy import Proxy
-from lowproxy.server import HttpServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT = "/v1/chat/completions"  # the path most tests send to

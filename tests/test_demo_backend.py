@@ -17,7 +17,7 @@ import pytest
 
 from helpers import ROOT, request, wait_until
 from lowproxy.demo import DemoBackend, start_pair
-from lowproxy.demo_kv import EOS_TOKEN_ID, OUTPUT_TOKEN_BASE, render_messages, tokenize
+from lowproxy.demo.kv import EOS_TOKEN_ID, OUTPUT_TOKEN_BASE, render_messages, tokenize
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 RESPONSES, MESSAGES, GENERATE = "/v1/responses", "/v1/messages", "/inference/v1/generate"
@@ -598,7 +598,7 @@ def test_cli_help_describes_every_option():
                    "--max-model-len", "--enable-prompt-tokens-details", "--enable-scale-out",
                    "--relay-connector", "--eos-first", "--kv-wait-timeout", "--stream-chunks"):
         assert option in out
-    from lowproxy.demo_cli import parser
+    from lowproxy.demo.__main__ import parser
 
     assert all(action.help for action in parser()._actions)  # each option says what it does
 

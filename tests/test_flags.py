@@ -7,7 +7,7 @@ import json
 import pytest
 
 from helpers import CHAT, Daemon, ScriptedBackend, chat, free_port, request
-from lowproxy.config import SETTINGS, ConfigError, build_parser, load_config
+from lowproxy.config.settings import SETTINGS, ConfigError, build_parser, load_config
 
 BASE = {"PD_PROXY_HOST": "127.0.0.1", "PD_PROXY_PORT": "0", "PD_PROXY_LOOP": "asyncio",
         "PD_PROXY_HEALTH_INTERVAL_SECONDS": "0"}

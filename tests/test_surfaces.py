@@ -17,8 +17,8 @@ import pytest
 
 from helpers import chat, config_for, running_proxy
 from lowproxy.demo import start_pair
+from lowproxy.handshakes.usage import cached_tokens_of, rewrite_body, rewrite_events
 from lowproxy.routes import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES, classify, surface_of
-from lowproxy.usage import cached_tokens_of, rewrite_body, rewrite_events
 
 RESPONSES_PATH = "/v1/responses"
 MESSAGES_PATH = "/v1/messages"

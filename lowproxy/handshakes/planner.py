@@ -12,7 +12,7 @@ import random
 import uuid
 from typing import Any, Callable
 
-from ..config import Config
+from ..config.settings import Config
 from ..ids import Ids
 from ..routes import CHAT, COMPLETIONS
 from . import mooncake, relay, sglang
