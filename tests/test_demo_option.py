@@ -72,3 +72,11 @@ def test_the_readme_demo_command_binds_loopback():
                  and line.startswith("python3 -m venv")]
     assert "--host 127.0.0.1" in command
     assert "--host 0.0.0.0" in README  # and says how to open it up
+
+
+def test_the_demo_backends_key_is_not_in_the_config_repr():
+    from lowproxy.config.settings import load_config
+
+    config, _ = load_config(["--demo", "--demo-args=--api-key demo-secret-1"], {})
+    assert config.demo_args == ("--api-key", "demo-secret-1")
+    assert "demo-secret-1" not in repr(config)

@@ -368,7 +368,10 @@ class Config:
         shown = dataclasses.replace(
             self, admin_api_key="***" if self.admin_api_key else "",
             backend_api_key="***" if self.backend_api_key else "",
-            client_api_keys=("***",) if self.client_api_keys else ())
+            client_api_keys=("***",) if self.client_api_keys else (),
+            # the demo backends' --api-key may be among their options
+            demo_args=("***",) if any("api-key" in arg for arg in self.demo_args)
+            else self.demo_args)
         fields = ", ".join(f"{f.name}={getattr(shown, f.name)!r}" for f in dataclasses.fields(self))
         return f"Config({fields})"
 
