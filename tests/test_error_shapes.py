@@ -12,7 +12,16 @@ import asyncio
 import contextlib
 from typing import Any, AsyncIterator
 
-from helpers import CHAT, RawServer, chat, config_for, free_port, read_request, running_proxy
+from helpers import (
+    CHAT,
+    RawServer,
+    chat,
+    config_for,
+    free_port,
+    read_request,
+    running_proxy,
+    wait_until,
+)
 from lowproxy.demo import DemoBackend, start_pair
 
 MESSAGES = "/v1/messages"
@@ -103,10 +112,7 @@ async def test_an_unknown_model_in_each_shape():
     try:
         async with running_proxy(config_for(prefill.url, decode.url,
                                             health_interval=60)) as running:
-            for _ in range(500):
-                if running.proxy.decode.lists_known():
-                    break
-                await asyncio.sleep(0.02)
+            await wait_until(running.proxy.decode.lists_known, 10, "model lists")
             error = openai_error(await running.request("POST", CHAT, chat(model="nope")), 404)
             assert (error["param"], error["code"]) == ("model", "model_not_found")
             shown = anthropic_error(await running.request("POST", MESSAGES, message(model="nope")),
