@@ -17,7 +17,12 @@ import pytest
 
 from helpers import chat, config_for, running_proxy
 from lowproxy.demo import start_pair
-from lowproxy.handshakes.usage import cached_tokens_of, rewrite_body, rewrite_events
+from lowproxy.handshakes.usage import (
+    cached_tokens_of,
+    prompt_tokens_of,
+    rewrite_body,
+    rewrite_events,
+)
 from lowproxy.routes import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES, classify, surface_of
 
 RESPONSES_PATH = "/v1/responses"
@@ -223,6 +228,34 @@ async def test_chat_usage_reports_the_prefill_figure(rewrite):
                   if line.startswith(b"data: {") and b'"usage":{' in line]
         warm = last["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert warm == (32 if rewrite else prompt)
+
+
+@pytest.mark.parametrize("surface, raw, prompt", [
+    (CHAT, {"usage": {"prompt_tokens": 9}}, 9),
+    (RESPONSES, {"usage": {"input_tokens": 7}}, 7),
+    # Anthropic's input_tokens leaves out the cached and the cache-creation parts.
+    (MESSAGES, {"usage": {"input_tokens": 3, "cache_read_input_tokens": 16,
+                          "cache_creation_input_tokens": 2}}, 21),
+    (MESSAGES, {"usage": {"input_tokens": 3, "cache_read_input_tokens": "x"}}, None),
+    (CHAT, {"usage": {"prompt_tokens": True}}, None), (GENERATE, {"usage": {}}, None),
+])
+def test_the_prefill_prompt_size_is_read_per_surface(surface, raw, prompt):
+    assert prompt_tokens_of(surface, raw) == prompt
+
+
+async def test_prefix_cache_counters_sum_the_prefill_figures():
+    """lowproxy_prefill_{prompt,cached}_tokens_total: the dashboard's hit rate."""
+    async with cluster("mooncake") as (proxy, prefill, decode):
+        body = {"model": "demo-model", "max_tokens": 2,
+                "messages": [{"role": "user", "content": LONG}]}
+        usages = [(await proxy.request("POST", "/v1/chat/completions", body)).json()["usage"]
+                  for _ in range(3)]
+        metrics = proxy.proxy.metrics
+        prompt = sum(usage["prompt_tokens"] for usage in usages)
+        cached = sum(usage["prompt_tokens_details"]["cached_tokens"] for usage in usages)
+        assert cached == 64  # cold, then two whole blocks twice
+        assert metrics.prefill_prompt_tokens.get("mooncake") == prompt
+        assert metrics.prefill_cached_tokens.get("mooncake") == cached
 
 
 async def test_responses_and_messages_usage_report_the_prefill_figure():

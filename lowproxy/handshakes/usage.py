@@ -47,6 +47,24 @@ def cached_tokens_of(surface: str, answer: Any) -> int | None:
     return value if _count(value) else None
 
 
+def prompt_tokens_of(surface: str, answer: Any) -> int | None:
+    """The prompt's whole token count a (prefill) answer reports, or None."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    if surface in (CHAT, COMPLETIONS):
+        value = usage.get("prompt_tokens")
+    elif surface == RESPONSES:
+        value = usage.get("input_tokens")
+    elif surface == MESSAGES:  # input_tokens there excludes the cached part
+        parts = [usage.get(name) or 0 for name in
+                 ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")]
+        value = sum(parts) if all(_count(part) for part in parts) else None
+    else:
+        return None
+    return value if _count(value) else None
+
+
 def rewrite_usage(surface: str, usage: Any, cached: int) -> bool:
     """Put ``cached`` in one usage object, in the surface's shape; False if not one."""
     if not isinstance(usage, dict):

@@ -217,6 +217,15 @@ class Metrics:
             "lowproxy_prefill_choice_total",
             "Prefill endpoint choices by reason (header, affinity, load, only, round-robin).",
             ("reason",))
+        # The prefills' prefix-cache hit rate, when they report cached tokens
+        # (vLLM --enable-prompt-tokens-details): cached / prompt tokens.
+        self.prefill_prompt_tokens = Counter(
+            "lowproxy_prefill_prompt_tokens_total",
+            "Prompt tokens of the prefill legs whose answer reported cached tokens.",
+            ("handshake",))
+        self.prefill_cached_tokens = Counter(
+            "lowproxy_prefill_cached_tokens_total",
+            "Prompt tokens the prefill found in its prefix cache (same legs).", ("handshake",))
         self.client_connections.set(0)
         self.in_flight.set(0)
         # (version, python, loop) of this process, set once its loop runs; the same
@@ -231,7 +240,7 @@ class Metrics:
                 self.client_connections, self.in_flight, self.upstream_connections,
                 self.cooldown, self.bootstrap_entries, self.tasks, self.endpoint_requests,
                 self.endpoint_failures, self.endpoint_health, self.endpoint_in_flight,
-                self.prefill_choice]
+                self.prefill_choice, self.prefill_prompt_tokens, self.prefill_cached_tokens]
 
     def snapshot(self) -> Snapshot:
         """This process's values in plain JSON types (gauge callbacks read now)."""

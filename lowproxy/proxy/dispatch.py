@@ -425,6 +425,9 @@ class Dispatcher:
         exchange.prefill_ms = elapsed * 1000.0
         self.metrics.prefill_duration.observe(elapsed, handshake)
         self.metrics.prefill_legs.inc(handshake, result.outcome)
+        if result.cached_tokens is not None and result.prompt_tokens:
+            self.metrics.prefill_prompt_tokens.inc(handshake, amount=result.prompt_tokens)
+            self.metrics.prefill_cached_tokens.inc(handshake, amount=result.cached_tokens)
         if exchange.span is not None and self.tracing is not None:
             self.tracing.record_prefill(exchange, endpoint.label, started, status, result.ok,
                                         concurrent=not want_kv)
