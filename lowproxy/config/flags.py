@@ -97,7 +97,8 @@ def build_parser(settings: Sequence[Setting]) -> argparse.ArgumentParser:
             parser.add_argument(setting.flag, dest=setting.field, nargs="?", const="1",
                                 metavar="BOOL", help=described)
             parser.add_argument("--no-" + setting.flag[2:], dest=setting.field,
-                                action="store_const", const="0", help=f"= {setting.flag} 0")
+                                action="store_const", const="0",
+                                help=f"= {setting.flag} 0 (env {setting.env}=0)")
         else:
             parser.add_argument(setting.flag, dest=setting.field,
                                 action="append" if setting.repeatable else "store",
