@@ -45,6 +45,16 @@ DECODE_ONLY_SUFFIXES = ("/embeddings", "/pooling", "/classify", "/score", "/rera
                         "/tokenize", "/detokenize")
 
 
+# The Anthropic Messages surface (vLLM serves both): its clients send x-api-key
+# and read Anthropic's error shape.
+ANTHROPIC_SUFFIXES = ("/messages", "/messages/count_tokens")
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether a request to ``path`` is on the Anthropic surface (its keys, its errors)."""
+    return path.endswith(ANTHROPIC_SUFFIXES)
+
+
 def surface_of(path: str, sglang: bool = False) -> str | None:
     """The generation surface a POST to ``path`` is, or None (``sglang``: the
     configured handshake is SGLang's, whose native /generate is one too)."""

@@ -22,7 +22,7 @@ README = _read("README.md")
 
 def test_every_setting_is_in_the_configuration_reference():
     for setting in SETTINGS:
-        row = re.search(rf"^\| `{setting.env}` \| `{re.escape(setting.flag)}` \| `([^`]*)` \|",
+        row = re.search(rf"^\| `{setting.env}` \| `{re.escape(setting.flags)}` \| `([^`]*)` \|",
                         README, re.M)
         assert row, f"{setting.env} missing from the README's configuration table"
         assert row.group(1) == (setting.default or "(empty)"), setting.env

@@ -25,6 +25,7 @@ from ..handshakes.usage import rewrite_body, rewrite_events
 from ..headers import client_response_head
 from ..observability import logs
 from ..observability.metrics import Metrics
+from ..routes import speaks_anthropic
 from ..routing.groups import BackendGroup
 from ..timeouts import deadline, first_done
 from ..upstream.pool import Endpoint, Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
@@ -371,6 +372,7 @@ class Dispatcher:
         """Count, log and answer one failure; cut the response if it had started."""
         config = self.config
         request_id = exchange.request_id
+        anthropic = speaks_anthropic(exchange.request.path)  # the surface's error shape
         if isinstance(failure, NoDecode):
             self.metrics.decode_legs.inc("unreachable")
             logs.warn(log, f"no decode backend: {failure.detail}", request_id)
@@ -384,21 +386,20 @@ class Dispatcher:
                       f"{error.detail}", request_id,
                       backend=error.endpoint.label if error.endpoint else None)
             status = 504 if error.reason == "timeout" else 502
-            body = answers.decode_failed(status)
+            body = answers.decode_failed(status, anthropic)
         elif isinstance(failure, DecodeTimedOut):
             self.metrics.decode_legs.inc("timeout")
             logs.warn(log, f"decode did not finish within {config.decode_timeout:g}s",
                       request_id, backend=exchange.decode_backend)
-            status, body = 504, answers.decode_timed_out()
+            status, body = 504, answers.decode_timed_out(anthropic)
         elif isinstance(failure, PrefillRefused):
             logs.warn(log, f"{failure}: its answer is relayed, decode is not asked",
                       request_id, backend=exchange.prefill_backend)
             status = failure.status
-            body = failure.body or answers.error_body(status, "prefill refused the request",
-                                                      "invalid_request_error")
+            body = failure.body or answers.prefill_refused(status, anthropic)
         elif isinstance(failure, PrefillFailed):
             # Counted and logged where the prefill leg failed.
-            status, body = 502, answers.prefill_failed(failure.detail)
+            status, body = 502, answers.prefill_failed(failure.detail, anthropic)
         elif isinstance(failure, Truncated):
             self.metrics.decode_legs.inc("truncated")
             logs.warn(log, f"decode broke off its response after {responder.bytes_out} bytes; "

@@ -214,7 +214,8 @@ class HealthMonitor:
                     self._refresh_models(self._refresh_number))
             await asyncio.shield(task)
 
-    async def refuse(self, model: str | None, body: dict[str, Any]) -> tuple[int, bytes] | None:
+    async def refuse(self, model: str | None, body: dict[str, Any], anthropic: bool = False
+                     ) -> tuple[int, bytes] | None:
         """(status, body) for a request no decode can serve, before either leg; else None."""
         decode = self.decode
         if not self.active or not decode.lists_known():
@@ -227,7 +228,7 @@ class HealthMonitor:
             if self._done <= first:
                 await self.refreshed_after(first)
             if decode.lists_known() and not decode.serves(model):
-                return 404, answers.model_not_found(model)
+                return 404, answers.model_not_found(model, anthropic)
             self._missing.pop(model, None)
         limit = decode.max_model_len(model)
         if limit is None:
@@ -237,7 +238,7 @@ class HealthMonitor:
             if isinstance(cap, int) and not isinstance(cap, bool) and cap > limit:
                 return 400, answers.invalid_request(field, (
                     f"'{field}' is {cap}, more than the model's maximum context length "
-                    f"of {limit} tokens."))
+                    f"of {limit} tokens."), anthropic)
         return None
 
     # -- metrics read at scrape time
