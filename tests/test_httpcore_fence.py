@@ -1,8 +1,8 @@
 """A fence around the httpcore internals lowproxy's upstream cycle relies on.
 
 httpcore owns each upstream connection and lowproxy drives the request/response
-cycle on the h11 state it keeps (lowproxy/upstream_httpcore.py names every
-internal used; lowproxy/upstream_cycle.py is the cycle):
+cycle on the h11 state it keeps (lowproxy/upstream/httpcore_internals.py names every
+internal used; lowproxy/upstream/cycle.py is the cycle):
 
 - ``AsyncHTTP11Connection(origin, stream, keepalive_expiry=...)`` does no I/O;
 - ``AsyncHTTP11Connection._h11_state`` is a fresh h11 client state with
@@ -16,7 +16,7 @@ of; bytes past a length-framed body stay in ``trailing_data``.
 
 Each test names the internal it pins: when an httpcore release changes one,
 the failure says which, and the upper bound in pyproject.toml must stay below
-that release until upstream_httpcore.py is adapted. Everything runs over real
+that release until upstream/httpcore_internals.py is adapted. Everything runs over real
 sockets.
 """
 
@@ -29,9 +29,9 @@ from collections.abc import AsyncIterator
 import h11
 import httpcore
 
-from lowproxy.netstream import AsyncioBackend, AsyncioStream
-from lowproxy.upstream_cycle import HeadReader, LengthRelay, finish_chunked, request_bytes
-from lowproxy.upstream_httpcore import MAX_HEAD_BYTES, adopt
+from lowproxy.upstream.cycle import HeadReader, LengthRelay, finish_chunked, request_bytes
+from lowproxy.upstream.httpcore_internals import MAX_HEAD_BYTES, adopt
+from lowproxy.upstream.stream import AsyncioBackend, AsyncioStream
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
 CHUNKED = HEAD + b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
@@ -42,7 +42,8 @@ HINTS = b"HTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n"
 def fence(condition: object, internal: str, what: str) -> None:
     assert condition, (f"httpcore {httpcore.__version__} / h11 {h11.__version__} changed "
                        f"{internal}: {what}. lowproxy's upstream cycle relies on it; keep the "
-                       "upper bound below this release until upstream_httpcore.py is adapted.")
+                       "upper bound below this release until "
+                       "lowproxy/upstream/httpcore_internals.py is adapted.")
 
 
 @contextlib.asynccontextmanager
