@@ -323,6 +323,8 @@ def report(results: list[Result], settings: argparse.Namespace) -> dict[str, Any
 
 
 def render(document: dict[str, Any], settings: argparse.Namespace, with_markdown: bool) -> str:
+    if not document["runs"]:
+        return ""  # only the scenarios with tables of their own ran (prefix, features)
     results = [Result(**r) for r in document["results"]]
     groups = group_by_run(results)
     per_run = (f"{settings.requests} requests" if settings.requests

@@ -1,13 +1,13 @@
 """The ``features`` scenario of bench/load.py: what each optional feature costs.
 
-The chat load (relay, --concurrency slots) through a proxy with every optional
-feature off (the floor), then with one feature on at a time, then as shipped
-(the defaults), each a fresh proxy process on the same emulated backends, in
-that order per round, for --repeat rounds. A feature's cost is its run's proxy
-CPU per request minus the floor's of the same round: the median and the
-minimum over rounds are reported (the machine is shared: one round's spread is
-of the order of the smaller costs). The backends report cached prompt tokens,
-so that the usage rewrite has something to rewrite.
+The chat load (relay, --concurrency slots) through a proxy with one feature
+on (or as shipped: the defaults), each run right after a run with every
+optional feature off (the floor), each a fresh proxy process on the same
+emulated backends, for --repeat rounds. A feature's cost is its run's proxy
+CPU per request minus the floor run just before it (so a busy spell on the
+shared machine hits both): the median and the minimum over rounds are
+reported. The backends report cached prompt tokens, so that the usage rewrite
+has something to rewrite.
 """
 
 from __future__ import annotations
@@ -69,35 +69,39 @@ def _one(command: list[str], backends: Backends, env: dict[str, str],
 
 
 def run(command: list[str], args: argparse.Namespace, say: Any) -> dict[str, Any]:
-    """Every round's figures per row, and each feature's cost over the floor."""
-    rows = [(FLOOR_ROW, dict(FLOOR), None)]
-    rows += [(name, {**FLOOR, **on}, default) for name, on, default in FEATURES
-             if _usable(on)]
+    """Every round's figures per row, and each feature's cost over the floor beside it."""
+    rows = [(name, {**FLOOR, **on}, default) for name, on, default in FEATURES
+            if _usable(on)]
     skipped = [name for name, on, _ in FEATURES if not _usable(on)]
     rows.append((DEFAULTS_ROW, {}, None))
-    figures: dict[str, list[float]] = {name: [] for name, _, _ in rows}
-    errors = 0
+    figures: dict[str, list[float]] = {name: [] for name in (FLOOR_ROW, *(r[0] for r in rows))}
+    costs: dict[str, list[float]] = {name: [] for name, _, _ in rows}
+    errors: dict[str, int] = dict.fromkeys(figures, 0)
     backends = Backends(args.stream_chunks, 0.0, "--enable-prompt-tokens-details")
     try:
         for round_number in range(1, args.repeat + 1):
             say(f"features (round {round_number} of {args.repeat})")
             for name, env, _ in rows:
+                floor, failed = _one(command, backends, dict(FLOOR), args)
+                errors[FLOOR_ROW] += failed
                 cpu, failed = _one(command, backends, env, args)
-                errors += failed
+                errors[name] += failed
+                if floor is not None:
+                    figures[FLOOR_ROW].append(floor)
                 if cpu is not None:
                     figures[name].append(cpu)
+                if cpu is not None and floor is not None:
+                    costs[name].append(cpu - floor)
     finally:
         backends.stop()
-    floor = figures[FLOOR_ROW]
-    table = []
+    table = [{"feature": FLOOR_ROW, "default": None, "cpu_us": figures[FLOOR_ROW],
+              "cost_median": None, "cost_min": None, "errors": errors[FLOOR_ROW]}]
     for name, _, default in rows:
-        values = figures[name]
-        costs = [v - f for v, f in zip(values, floor, strict=False)]
-        table.append({"feature": name, "default": default, "cpu_us": values,
-                      "cost_median": statistics.median(costs) if costs and name != FLOOR_ROW
-                      else None,
-                      "cost_min": min(costs) if costs and name != FLOOR_ROW else None})
-    return {"rows": table, "skipped": skipped, "errors": errors, "rounds": args.repeat,
+        found = costs[name]
+        table.append({"feature": name, "default": default, "cpu_us": figures[name],
+                      "cost_median": statistics.median(found) if found else None,
+                      "cost_min": min(found) if found else None, "errors": errors[name]})
+    return {"rows": table, "skipped": skipped, "rounds": args.repeat,
             "concurrency": args.concurrency}
 
 
@@ -107,14 +111,16 @@ def _cell(value: float | None) -> str:
 
 def render(document: dict[str, Any]) -> str:
     lines = [f"features: chat c={document['concurrency']}, proxy CPU µs per request, "
-             f"{document['rounds']} round(s); cost = run - floor of the same round "
-             f"(median, min); errors {document['errors']}",
-             f"{'':<42}{'default':>8}{'µs/req (each round)':>26}{'cost med':>10}{'min':>7}"]
+             f"{document['rounds']} round(s); cost = run - the floor run just before it "
+             "(median, min)",
+             f"{'':<42}{'default':>8}{'µs/req (each run)':>30}{'cost med':>10}{'min':>7}"
+             f"{'errors':>8}"]
     for row in document["rows"]:
         default = {True: "on", False: "off", None: ""}[row["default"]]
         runs = " ".join(f"{v:.0f}" for v in row["cpu_us"])
-        lines.append(f"{row['feature']:<42}{default:>8}{runs:>26}"
-                     f"{_cell(row['cost_median']):>10}{_cell(row['cost_min']):>7}")
+        lines.append(f"{row['feature']:<42}{default:>8}{runs:>30}"
+                     f"{_cell(row['cost_median']):>10}{_cell(row['cost_min']):>7}"
+                     f"{row['errors']:>8}")
     for name in document["skipped"]:
         lines.append(f"{name:<42} not measured: its package is not installed")
     return "\n".join(lines)
@@ -122,15 +128,17 @@ def render(document: dict[str, Any]) -> str:
 
 def markdown(document: dict[str, Any]) -> str:
     lines = [f"`python bench/load.py --scenario features --repeat {document['rounds']}`: "
-             f"chat c={document['concurrency']} through a proxy with every optional feature "
-             "off, then with one on at a time, then as shipped; µs of proxy CPU per request, "
-             "and a feature's cost over the floor of the same round (median / min over the "
-             "rounds).", "",
+             f"chat c={document['concurrency']} through a proxy with one optional feature on "
+             "(or as shipped), each run right after one with every optional feature off "
+             "(the floor); µs of proxy CPU per request, and a feature's cost over the floor "
+             "run before it (median / min over the rounds).", "",
              "| feature | default | µs per request | cost: median / min |",
              "|---|---|---|---|"]
     for row in document["rows"]:
         default = {True: "on", False: "off", None: ""}[row["default"]]
         runs = " / ".join(f"{v:.0f}" for v in row["cpu_us"]) or "-"
+        if row["errors"]:
+            runs += f" ({row['errors']} errors)"
         cost = ("" if row["cost_median"] is None
                 else f"{row['cost_median']:+.0f} / {row['cost_min']:+.0f} µs")
         lines.append(f"| {row['feature']} | {default} | {runs} | {cost} |")
