@@ -107,7 +107,7 @@ def table(group: Group, figures: list[dict[str, Any]], title: str) -> str:
         if r.error_kinds:
             lines.append(" " * 14 + "errors: " + ", ".join(f"{k} x{v}"
                                                           for k, v in r.error_kinds.items()))
-    lines += ["", "ratios (proxy or peer / direct to decode, proxy / peer):",
+    lines += ["", "proxy vs direct to decode: (with --peer also peer / direct and proxy / peer)",
               *direct_ratios(group), "",
               "figures and targets (x: ratio to the direct run of this invocation):"]
     lines += [figure_line(entry) for entry in figures]
