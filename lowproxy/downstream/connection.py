@@ -29,6 +29,10 @@ from .responder import Responder
 log = logging.getLogger("lowproxy.server")
 
 READ_SIZE = 64 * 1024
+# A hang-up cancels a handler only once it has waited this long: an exchange that
+# ends sooner still answers a client that half-closed after its request (a FIN
+# reads the same as a close; only a write could tell them apart).
+WATCH_AFTER = 0.05
 # After refusing a request, how long and how much of its remaining input to drop.
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 4 * 1024 * 1024
@@ -111,8 +115,10 @@ class ClientConnection:
         self._timer_at = 0.0
         # Armed no further ahead than this, so that no later phase finds it too late.
         self._arm_within = min(limits.header_timeout, limits.keepalive_timeout)
-        # Whether the running handler asked for a hang-up to cancel it (watch_client).
+        # Whether the running handler asked for a hang-up to cancel it, and when
+        # (watch_client).
         self._watching = False
+        self._watch_since = 0.0
         self.transport.set_protocol(_HangUpHook(self.transport.get_protocol(), self._hung_up))
         self._head_bytes = 0
         self._head_reads: list[bytes] | None = None  # this cycle's reads until its head
@@ -233,12 +239,17 @@ class ClientConnection:
         """
         if not self.gone:
             self._watching = True
+            self._watch_since = self._loop.time()
 
     def _hung_up(self) -> None:
         """The client sent EOF or the connection was lost (_HangUpHook)."""
         if self._watching and self.phase is Phase.HANDLING and self._task is not None:
             # Mid-request: the client left. Between requests, an EOF only means
             # no more requests, which the next read finds.
+            wait = self._watch_since + WATCH_AFTER - self._loop.time()
+            if wait > 0:  # rare: a timer only for a hang-up in the first WATCH_AFTER
+                self._loop.call_later(wait, self._hung_up)
+                return
             self._watching = False
             self.phase = Phase.GONE
             self._task.cancel()
