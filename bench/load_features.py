@@ -54,8 +54,8 @@ def _usable(env: dict[str, str]) -> bool:
 
 
 def _one(command: list[str], backends: Backends, env: dict[str, str],
-         args: argparse.Namespace) -> tuple[float | None, int]:
-    """(proxy CPU µs per request, errors) of one chat run."""
+         args: argparse.Namespace, kinds: dict[str, int]) -> tuple[float | None, int]:
+    """(proxy CPU µs per request, errors) of one chat run; its error kinds added to kinds."""
     settings = argparse.Namespace(**vars(args))
     settings.client_header = (f"authorization: Bearer {CLIENT_KEY}\r\n".encode()
                               if env.get("PD_PROXY_CLIENT_API_KEYS") else b"")
@@ -65,6 +65,8 @@ def _one(command: list[str], backends: Backends, env: dict[str, str],
                                    settings, False))
     finally:
         proxy.stop()
+    for kind, count in result.error_kinds.items():
+        kinds[kind] = kinds.get(kind, 0) + count
     return result.cpu_us_per_request, result.errors
 
 
@@ -77,14 +79,15 @@ def run(command: list[str], args: argparse.Namespace, say: Any) -> dict[str, Any
     figures: dict[str, list[float]] = {name: [] for name in (FLOOR_ROW, *(r[0] for r in rows))}
     costs: dict[str, list[float]] = {name: [] for name, _, _ in rows}
     errors: dict[str, int] = dict.fromkeys(figures, 0)
+    kinds: dict[str, dict[str, int]] = {name: {} for name in figures}
     backends = Backends(args.stream_chunks, 0.0, "--enable-prompt-tokens-details")
     try:
         for round_number in range(1, args.repeat + 1):
             say(f"features (round {round_number} of {args.repeat})")
             for name, env, _ in rows:
-                floor, failed = _one(command, backends, dict(FLOOR), args)
+                floor, failed = _one(command, backends, dict(FLOOR), args, kinds[FLOOR_ROW])
                 errors[FLOOR_ROW] += failed
-                cpu, failed = _one(command, backends, env, args)
+                cpu, failed = _one(command, backends, env, args, kinds[name])
                 errors[name] += failed
                 if floor is not None:
                     figures[FLOOR_ROW].append(floor)
@@ -95,12 +98,14 @@ def run(command: list[str], args: argparse.Namespace, say: Any) -> dict[str, Any
     finally:
         backends.stop()
     table = [{"feature": FLOOR_ROW, "default": None, "cpu_us": figures[FLOOR_ROW],
-              "cost_median": None, "cost_min": None, "errors": errors[FLOOR_ROW]}]
+              "cost_median": None, "cost_min": None, "errors": errors[FLOOR_ROW],
+              "error_kinds": kinds[FLOOR_ROW]}]
     for name, _, default in rows:
         found = costs[name]
         table.append({"feature": name, "default": default, "cpu_us": figures[name],
                       "cost_median": statistics.median(found) if found else None,
-                      "cost_min": min(found) if found else None, "errors": errors[name]})
+                      "cost_min": min(found) if found else None, "errors": errors[name],
+                      "error_kinds": kinds[name]})
     return {"rows": table, "skipped": skipped, "rounds": args.repeat,
             "concurrency": args.concurrency}
 
@@ -121,6 +126,9 @@ def render(document: dict[str, Any]) -> str:
         lines.append(f"{row['feature']:<42}{default:>8}{runs:>30}"
                      f"{_cell(row['cost_median']):>10}{_cell(row['cost_min']):>7}"
                      f"{row['errors']:>8}")
+        if row.get("error_kinds"):
+            lines.append(" " * 4 + "errors: " + ", ".join(
+                f"{kind} x{count}" for kind, count in row["error_kinds"].items()))
     for name in document["skipped"]:
         lines.append(f"{name:<42} not measured: its package is not installed")
     return "\n".join(lines)
@@ -132,11 +140,14 @@ def markdown(document: dict[str, Any]) -> str:
              "(or as shipped), each run right after one with every optional feature off "
              "(the floor); µs of proxy CPU per request, and a feature's cost over the floor "
              "run before it (median / min over the rounds).", "",
-             "| feature | default | µs per request | cost: median / min |",
+             "| feature | default | µs per request: median (min-max, runs) | "
+             "cost: median / min |",
              "|---|---|---|---|"]
     for row in document["rows"]:
         default = {True: "on", False: "off", None: ""}[row["default"]]
-        runs = " / ".join(f"{v:.0f}" for v in row["cpu_us"]) or "-"
+        values = row["cpu_us"]
+        runs = (f"{statistics.median(values):.0f} ({min(values):.0f}-{max(values):.0f}, "
+                f"{len(values)} runs)" if values else "-")
         if row["errors"]:
             runs += f" ({row['errors']} errors)"
         cost = ("" if row["cost_median"] is None

@@ -83,7 +83,7 @@ def test_the_feature_table_gives_each_feature_its_cost_over_the_floor():
          "cost_median": 32.5, "cost_min": 30.0, "errors": 0},
     ]}
     table = features.markdown(document)
-    assert "| access log, text | on | 430 / 445 | +32 / +30 µs |" in table
+    assert "| access log, text | on | 438 (430-445, 2 runs) | +32 / +30 µs |" in table
     assert "| OpenTelemetry spans | off | not measured (package not installed) | |" in table
     assert "--scenario features --repeat 2" in table
     text = features.render(document)
