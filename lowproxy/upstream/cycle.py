@@ -84,7 +84,7 @@ class HeadReader(_Waiting):
     """The connection's sink until the final response head is in (and its body relay
     attaches: until then it keeps what comes after the head)."""
 
-    __slots__ = ("state", "stream", "on_informational", "response", "error", "eof",
+    __slots__ = ("state", "stream", "on_informational", "response", "final", "error", "eof",
                  "rest", "_buffer", "_searched", "_waiter")
 
     def __init__(self, state: h11.Connection, stream: AsyncioStream,
@@ -92,7 +92,8 @@ class HeadReader(_Waiting):
         self.state = state
         self.stream = stream
         self.on_informational = on_informational
-        self.response: h11.Response | None = None
+        self.response: h11.Response | None = None  # taken by whoever reads the head
+        self.final = False  # the final head is in
         self.error: BaseException | None = None
         self.eof: BaseException | bool = False  # the backend hung up (True or its error)
         self.rest = b""  # after the final head: the body's first bytes
@@ -102,10 +103,10 @@ class HeadReader(_Waiting):
 
     @property
     def done(self) -> bool:
-        return self.response is not None or self.error is not None or self.eof is not False
+        return self.final or self.error is not None or self.eof is not False
 
     def data_received(self, data: bytes) -> None:
-        if self.response is not None or self.error is not None:
+        if self.final or self.error is not None:
             self.rest += data
             if len(self.rest) > READ_HIGH_WATER:
                 self.stream.pause_reading()  # the relay resumes it
@@ -128,6 +129,7 @@ class HeadReader(_Waiting):
                 kind = type(event)
                 if kind is _Response:
                     self.response = event  # type: ignore[assignment]
+                    self.final = True
                     self.rest, self._buffer = buffer, b""
                     break
                 if kind is _Informational:

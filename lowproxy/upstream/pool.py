@@ -135,14 +135,14 @@ class UpstreamResponse:
 
     def __init__(self, upstream: Upstream, endpoint: Endpoint, pooled: _Pooled,
                  head: HeadReader, method: bytes) -> None:
-        response = head.response
+        response, head.response = head.response, None  # a long stream keeps no h11 event
         assert response is not None, "made once the final head is in"
         self.status = status = response.status_code
         headers: list[tuple[bytes, bytes]] = response.headers.raw_items()
         self.endpoint = endpoint
         self._upstream = upstream
         self._pooled = pooled
-        self._head = head
+        self._head: HeadReader | None = head
         self._complete = False
         self._closed = False
         framed_by_te = any(name.lower() == b"transfer-encoding" for name, _ in headers)
@@ -168,6 +168,8 @@ class UpstreamResponse:
         ``deliver`` raised.
         """
         pooled, head = self._pooled, self._head
+        assert head is not None, "the body is delivered once"
+        self._head = None  # nothing of the head is kept while the body streams
         stream = pooled.stream
         if stream is None:
             raise UpstreamProtocolError(f"{self.endpoint.label}: the connection was closed",
@@ -321,7 +323,7 @@ class Upstream:
                                      "request, before answering", endpoint, request_sent=False)
             if not head.done:
                 await head.wait()
-            if head.response is None:
+            if not head.final:
                 error = head.error
                 if error is None:  # the backend hung up before its head was whole
                     cause = head.eof if head.eof is not True else "connection closed"
