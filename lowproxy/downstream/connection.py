@@ -166,8 +166,9 @@ class ClientConnection:
 
         Lazily: a request moves through three timed phases in well under a
         millisecond, so the timer is re-armed only when it fires early (the
-        deadline moved on meanwhile) or would fire too late. A connection pays
-        a few timer operations per timeout period, not per phase.
+        deadline moved on meanwhile) or would fire too late. A request costs
+        two timer operations (armed at keep-alive, cancelled when its handler
+        starts), none for its head and body phases.
         """
         self._deadline = None
         if self.phase in _FINAL and phase not in _FINAL:
@@ -363,7 +364,8 @@ class ClientConnection:
         self._disarm()
         # The names lowercased as h11's Headers yields them, without its
         # per-item Sequence iteration (raw_items() is one list comprehension).
-        headers = [(name.lower(), value) for name, value in event.headers.raw_items()]
+        headers = [(name if name.islower() else name.lower(), value)
+                   for name, value in event.headers.raw_items()]
         return ClientRequest(event.method, origin_target(event.target), headers,
                              body, event.http_version)
 
@@ -411,6 +413,11 @@ class ClientConnection:
         conn = self.h11
         responder = Responder(self, head=request.method == b"HEAD")
         self._enter(Phase.HANDLING)
+        # No deadline while a handler runs (a generation may be long): the handle
+        # goes now, not at its time, so that a long stream holds no timer (the
+        # next phase arms one, far enough ahead that the phases after it find
+        # it in time).
+        self._cancel_timer()
         try:
             await self.handler(request, responder)
         except ClientGone:
