@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -329,3 +330,61 @@ async def _knows_models(port: int) -> bool:
     """One unknown model at a time is answered 404 once decode's list is known."""
     reply = await request(port, "POST", CHAT, conversation(0, model="nope-alone"))
     return reply.status == 404
+
+
+@pytest.mark.parametrize("kv_protocol", ["relay", "mooncake"])
+async def test_the_prefill_load_is_released_once_when_the_prefill_leg_ends_mid_stream(
+        monkeypatch: pytest.MonkeyPatch, kv_protocol: str) -> None:
+    """Dispatch reports the leg's end once: the load goes while decode still streams."""
+    from lowproxy.routing.prefill import PrefillLease
+
+    releases: list[int] = []
+    release = PrefillLease.release
+
+    def counted(lease: PrefillLease) -> None:
+        releases.append(lease.cost)
+        release(lease)
+
+    monkeypatch.setattr(PrefillLease, "release", counted)
+    more = asyncio.Event()
+
+    async def stream(request: Any, responder: Any) -> None:
+        await responder.start(200, [(b"content-type", b"text/event-stream")])
+        await responder.write(b'data: {"choices": []}\n\n')
+        await more.wait()
+        await responder.write(b"data: [DONE]\n\n")
+        await responder.end()
+
+    prefill = await DemoBackend("prefill", registry=KvRegistry()).start()
+    decode = await ScriptedBackend(stream).start()
+    url = f"{prefill.url}#bootstrap_port={prefill.bootstrap_port}"
+    try:
+        async with running_proxy(config_for(url, decode.url(), kv_protocol=kv_protocol,
+                                            prefill_policy="least-loaded")) as running:
+            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
+            body = json.dumps(conversation(1) | {"stream": True}).encode()
+            writer.write(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nhost: x\r\n"
+                         b"content-type: application/json\r\ncontent-length: "
+                         + str(len(body)).encode() + b"\r\n\r\n" + body)
+            seen = b""
+            while b"data: {" not in seen:
+                piece = await reader.read(65536)
+                assert piece, seen
+                seen += piece
+            assert b"[DONE]" not in seen  # decode is still streaming
+            assert running.proxy.prefill_choice.outstanding == {}
+            assert len(releases) == 1 and releases[0] > 1  # the prompt's bytes, once
+            more.set()
+            while b"0\r\n\r\n" not in seen:
+                piece = await reader.read(65536)
+                assert piece, seen
+                seen += piece
+            writer.close()
+            requests = running.proxy.metrics.requests
+            await wait_until(lambda: requests.get("generation", "200") == 1, 5, "request end")
+            assert len(releases) == 1  # not again when the request ended
+    finally:
+        more.set()
+        await decode.close()
+        await prefill.close()
+

@@ -178,9 +178,6 @@ class Plan:
     skip_reason: str | None = None
     abort_rid: str | None = None  # SGLang: the rid both legs carry, to abort them by
     surface: str = CHAT  # routes.CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE
-    # Called once the prefill leg has ended: the prefill's outstanding work is
-    # released then, not when a stream that may last minutes ends.
-    on_prefill_done: Callable[[], None] | None = None
 
     def fallback_body(self) -> bytes:
         """Decode's body when there is no KV to pull: the client's, as it came."""

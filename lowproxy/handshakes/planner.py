@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import random
 import uuid
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..config.settings import Config
 from ..ids import Ids
@@ -27,6 +28,25 @@ NOT_ON_SGLANG = "not-on-sglang"
 _rooms = random.SystemRandom()
 
 
+@dataclass(slots=True)
+class Generation:
+    """A generation request as the planner reads it: the client's body parsed once."""
+
+    surface: str  # routes.CHAT, COMPLETIONS, ...
+    target: bytes  # path and query as the client sent them: decode's target
+    body: Body
+    prompt_bytes: int | None = None  # the prompt's size, when a setting reads it
+
+
+class PrefillPick(Protocol):
+    """Routing's prefill choice, asked for only when a prefill leg is planned."""
+
+    @property
+    def configured(self) -> bool: ...
+
+    def __call__(self) -> Any: ...
+
+
 def skip_reason(config: Config, surface: str, body: Body, prompt_bytes: int | None
                 ) -> str | None:
     """Why this request goes to decode alone although prefill is configured; else None."""
@@ -38,20 +58,19 @@ def skip_reason(config: Config, surface: str, body: Body, prompt_bytes: int | No
     return skipped
 
 
-async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids, surface: str,
-                          target: bytes, body: Body, choose_prefill: Callable[[], Any],
-                          prefill_configured: bool, prompt_bytes: int | None = None,
-                          release_prefill: Callable[[], None] | None = None) -> Plan:
+async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids,
+                          request: Generation, choose_prefill: PrefillPick) -> Plan:
     """The plan for one generation request; ``choose_prefill()`` names its prefill endpoint.
 
     The prefill endpoint is chosen only for a request that will have a prefill
     leg, so a skipped request counts no prefill choice and no prefill load.
     """
     handshake = config.kv_protocol
-    if not prefill_configured:
+    surface, target, body = request.surface, request.target, request.body
+    if not choose_prefill.configured:
         # No prefill configured: decode computes the prompt itself, no handshake.
         return decode_only_plan(b"POST", target, serialise(body), handshake)
-    skipped = skip_reason(config, surface, body, prompt_bytes)
+    skipped = skip_reason(config, surface, body, request.prompt_bytes)
     if skipped is not None:
         # Decode gets the client's request unchanged and computes the prompt.
         return decode_only_plan(b"POST", target, serialise(body), handshake,
@@ -60,9 +79,7 @@ async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids, s
     if prefill is None:  # dns+ names that resolve to no address
         return decode_only_plan(b"POST", target, None, handshake, client_body=body,
                                 prefill_failure="no usable prefill endpoint")
-    plan = await _two_legs(config, bootstrap, ids, surface, target, body, prefill)
-    plan.on_prefill_done = release_prefill
-    return plan
+    return await _two_legs(config, bootstrap, ids, surface, target, body, prefill)
 
 
 async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, surface: str,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
 from .. import answers
 from ..config.settings import Config
@@ -29,7 +29,7 @@ from ..routing.groups import BackendGroup
 from ..timeouts import deadline, first_done
 from ..upstream.pool import Endpoint, Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
 from .auxiliary_legs import BackgroundTasks, drop_decode, send_abort, send_prefill_leg
-from .exchange import Exchange
+from .exchange import Exchange, PrefillLeg
 from .failures import (
     DecodeFailed,
     DecodeTimedOut,
@@ -48,14 +48,23 @@ MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
 log = logging.getLogger("lowproxy.exchange")
 
 
+def _nobody_listens(exchange: Exchange) -> None:
+    pass
+
 
 class Dispatcher:
-    """Sends the legs of planned requests; owns the prefill legs left to finish."""
+    """Sends the legs of planned requests; owns the prefill legs left to finish.
+
+    ``prefill_ended(exchange)`` is told once per request that its prefill leg is
+    over, or that none will be sent: whoever counts prefill load listens there.
+    """
 
     def __init__(self, config: Config, upstream: Upstream, prefill: BackendGroup,
                  decode: BackendGroup, bootstrap: BootstrapCache, metrics: Metrics,
-                 tracing: Tracing | None) -> None:
+                 tracing: Tracing | None,
+                 prefill_ended: Callable[[Exchange], None] = _nobody_listens) -> None:
         self.config = config
+        self.prefill_ended = prefill_ended
         self.upstream = upstream
         self.prefill = prefill
         self.decode = decode
@@ -74,15 +83,15 @@ class Dispatcher:
     # -- the pipeline
 
     async def run(self, exchange: Exchange, responder: ResponseWriter,
-                  planning: Awaitable[Plan]) -> None:
+                  planning: Plan | Awaitable[Plan]) -> None:
         """Plan, open decode's response, copy it to the client; answer any failure.
 
-        ``planning`` is awaited here so that nothing up the stack keeps the
-        client's body: once decode's response is open the plan is dropped, and
-        a stream that lasts minutes holds no copy of the prompt.
+        A generation's ``planning`` is awaited here so that nothing up the stack
+        keeps the client's body: once decode's response is open the plan is
+        dropped, and a stream that lasts minutes holds no copy of the prompt.
         """
         try:
-            plan = await planning
+            plan = planning if isinstance(planning, Plan) else await planning
             if plan.skip_reason is not None:
                 exchange.skip_reason = plan.skip_reason
                 self.metrics.prefill_legs.inc(plan.handshake, "skipped", plan.skip_reason)
@@ -92,6 +101,14 @@ class Dispatcher:
             await self._copy_answer(exchange, responder, response)
         except Failure as failure:
             await self.answer_failure(exchange, responder, failure)
+        finally:
+            if exchange.prefill_leg is PrefillLeg.NOT_SENT:
+                self._report_prefill_ended(exchange)  # none was sent, and none will be
+
+    def _report_prefill_ended(self, exchange: Exchange) -> None:
+        if exchange.prefill_leg is not PrefillLeg.ENDED:
+            exchange.prefill_leg = PrefillLeg.ENDED
+            self.prefill_ended(exchange)
 
     async def _decode_response(self, exchange: Exchange, responder: ResponseWriter,
                                plan: Plan) -> UpstreamResponse:
@@ -411,12 +428,16 @@ class Dispatcher:
         endpoint: Endpoint = plan.prefill
         started = time.perf_counter()
         exchange.prefill_backend = endpoint.label
-        result, status = await send_prefill_leg(
-            self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
-            plan.prefill_body, plan.prefill_headers, want_kv, self.config.prefill_timeout,
-            plan.surface if self.config.rewrite_cached_tokens else None)
-        if plan.on_prefill_done is not None:
-            plan.on_prefill_done()  # its outstanding prompt bytes no longer load it
+        exchange.prefill_leg = PrefillLeg.RUNNING
+        try:
+            result, status = await send_prefill_leg(
+                self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
+                plan.prefill_body, plan.prefill_headers, want_kv, self.config.prefill_timeout,
+                plan.surface if self.config.rewrite_cached_tokens else None)
+        finally:
+            # Now, not when a stream that may last minutes ends: its prompt no
+            # longer loads the prefill endpoint.
+            self._report_prefill_ended(exchange)
         if result.outcome == "unreachable":
             self.prefill.cool_down(endpoint)
             result.outcome = "error"

@@ -19,8 +19,8 @@ from ..config.settings import Config
 from ..downstream.messages import ClientRequest, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.client_body import BodyError, parse_client_body, wants_stream, without_client_kv
-from ..handshakes.legs import Plan, decode_only_plan, serialise
-from ..handshakes.planner import plan_generation
+from ..handshakes.legs import decode_only_plan, serialise
+from ..handshakes.planner import Generation, plan_generation
 from ..handshakes.rules import decode_would_reject
 from ..headers import forwarded_request_headers, header_value
 from ..ids import Ids
@@ -63,7 +63,8 @@ class Proxy:
                                         on_query=self._bootstrap_observed)
         self.tracing = Tracing.create(config.otel)
         self.dispatch = Dispatcher(config, self.upstream, self.prefill, self.decode,
-                                   self.bootstrap, self.metrics, self.tracing)
+                                   self.bootstrap, self.metrics, self.tracing,
+                                   prefill_ended=self._prefill_ended)
         self.resolver = resolver or system_resolver
         # keys.py: the backend key on every leg, the client keys every request needs
         self.backend_key = BackendKey(config.backend_api_key, config.backend_api_key_file)
@@ -265,15 +266,19 @@ class Proxy:
         exchange.handshake = self.config.kv_protocol
         exchange.surface = surface
         facts = self._prompt_facts(surface, body)
-        lease = self.prefill_choice.lease(named, facts, model)
-        planning = plan_generation(self.config, self.bootstrap, self.ids, surface, request.target,
-                                   body, lease, lease.configured, facts.size, lease.release)
+        exchange.prefill_lease = self.prefill_choice.lease(named, facts, model)
+        planning = plan_generation(self.config, self.bootstrap, self.ids,
+                                   Generation(surface, request.target, body, facts.size),
+                                   exchange.prefill_lease)
         del body  # the plan holds it until decode's response is open, and no longer
         exchange.model = model  # decode's pick: endpoints serving the model
-        try:
-            await self.dispatch.run(exchange, responder, planning)
-        finally:
-            lease.release()
+        await self.dispatch.run(exchange, responder, planning)
+
+    @staticmethod
+    def _prefill_ended(exchange: Exchange) -> None:
+        """Dispatch says the prefill leg is over (or none was sent): its load goes."""
+        if exchange.prefill_lease is not None:
+            exchange.prefill_lease.release()
 
     def _prompt_facts(self, surface: str, body: dict) -> PromptFacts:
         """The prefix key and prompt size, when a setting reads them."""
@@ -299,8 +304,7 @@ class Proxy:
         request.body = b""
         responder.watch_client()
         await self.dispatch.run(exchange, responder,
-                                _ready_plan(decode_only_plan(request.method, request.target,
-                                                             body)))
+                                decode_only_plan(request.method, request.target, body))
 
     # -- metrics read at scrape time
 
@@ -324,10 +328,6 @@ class Proxy:
         metrics.bootstrap_entries.read = lambda: [((), len(self.bootstrap))]
         metrics.endpoint_health.read = self.health.health_states
         metrics.endpoint_in_flight.read = self.health.in_flight
-
-
-async def _ready_plan(plan: Plan) -> Plan:
-    return plan
 
 
 def _ms(value: float | None) -> float | None:
