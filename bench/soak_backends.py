@@ -91,7 +91,7 @@ class FaultyBackend(DemoBackend):
         if not fault or not fault.startswith(prefix):
             await super().handle(request, responder)
             return
-        responder.watch_client()  # a hang-up cancels us, as vLLM aborts
+        request.watch_client()  # a hang-up cancels us, as vLLM aborts
         kind = fault[len(prefix):]
         if kind == "dies":
             await responder.start(200, [(b"content-type", b"text/event-stream")])

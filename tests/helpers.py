@@ -352,7 +352,7 @@ class ScriptedBackend:
         self.received.append(self._received_type(
             request.method.decode(), request.path, request.target.decode("latin-1"),
             request.headers, body, request.body))
-        responder.watch_client()
+        request.watch_client()
         try:
             await self.answer(request, responder)
         except asyncio.CancelledError:

@@ -201,7 +201,7 @@ class DemoBackend:
         if self.faults.close_without_response:
             responder.drop()
             return
-        responder.watch_client()  # a hang-up cancels this handler, as vLLM aborts
+        request.watch_client()  # a hang-up cancels this handler, as vLLM aborts
         try:
             await self._abortable(request, responder, route, body)
         except asyncio.CancelledError:

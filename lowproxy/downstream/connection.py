@@ -319,7 +319,7 @@ class ClientConnection:
             return None
         self._disarm()
         return ClientRequest(event.method, origin_target(event.target), list(event.headers),
-                             body, event.http_version)
+                             body, event.http_version, self.watch_client)
 
     async def _reject_unparsable(self, exc: h11.RemoteProtocolError) -> None:
         status = exc.error_status_hint

@@ -37,8 +37,6 @@ class Wire(Protocol):
 
     def drop(self) -> None: ...
 
-    def watch_client(self) -> None: ...
-
 
 class Responder:
     """How a handler answers: start (status, headers), write chunks, end.
@@ -177,10 +175,6 @@ class Responder:
         """Close the connection at once, with no (further) response bytes."""
         self.ended = False
         self._wire.drop()
-
-    def watch_client(self) -> None:
-        """Notice a client that hangs up while the handler waits (see connection.py)."""
-        self._wire.watch_client()
 
     @property
     def client_gone(self) -> bool:

@@ -262,7 +262,7 @@ class Proxy:
             await responder.send_bytes(refused.status,
                                        answers.prefill_target_refused(refused.message))
             return
-        responder.watch_client()
+        request.watch_client()
         exchange.handshake = self.config.kv_protocol
         exchange.surface = surface
         facts = self._prompt_facts(surface, body)
@@ -302,7 +302,7 @@ class Proxy:
         elif request.body:
             body = request.body
         request.body = b""
-        responder.watch_client()
+        request.watch_client()
         await self.dispatch.run(exchange, responder,
                                 decode_only_plan(request.method, request.target, body))
 
