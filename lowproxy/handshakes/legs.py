@@ -163,7 +163,6 @@ class Plan:
     bootstrap map), so dispatch applies the failure policy at once.
     """
 
-    handshake: str  # relay, mooncake, sglang; "" for a passthrough
     method: bytes
     decode_target: bytes
     decode_body: bytes | None
@@ -177,15 +176,14 @@ class Plan:
     prefill_failure: str | None = None
     skip_reason: str | None = None
     abort_rid: str | None = None  # SGLang: the rid both legs carry, to abort them by
-    surface: str = CHAT  # routes.CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE
 
     def fallback_body(self) -> bytes:
         """Decode's body when there is no KV to pull: the client's, as it came."""
         return serialise(self.client_body if self.client_body is not None else {})
 
 
-def decode_only_plan(method: bytes, target: bytes, body: bytes | None, handshake: str = "",
+def decode_only_plan(method: bytes, target: bytes, body: bytes | None,
                      client_body: Body | None = None, prefill_failure: str | None = None,
                      skip_reason: str | None = None) -> Plan:
-    return Plan(handshake, method, target, body, client_body=client_body,
+    return Plan(method, target, body, client_body=client_body,
                 prefill_failure=prefill_failure, skip_reason=skip_reason)

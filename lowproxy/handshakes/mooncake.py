@@ -22,8 +22,7 @@ def plan(body: Body, target: bytes, prefill: Any, rank: str, engine_id: str,
     """Both legs at once; the prefill leg lands on ``rank``, whose engine decode pulls from."""
     prefill_body, decode_body = mooncake_bodies(body, transfer_id, engine_id, bootstrap_addr,
                                                 surface)
-    return Plan("mooncake", b"POST", target, serialise(decode_body), client_body=body,
+    return Plan(b"POST", target, serialise(decode_body), client_body=body,
                 prefill=prefill, prefill_target=path_only(target),
                 prefill_body=serialise(prefill_body),
-                prefill_headers=[(RANK_HEADER, rank.encode())], concurrent=True,
-                surface=surface)
+                prefill_headers=[(RANK_HEADER, rank.encode())], concurrent=True)

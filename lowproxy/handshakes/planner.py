@@ -65,19 +65,17 @@ async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids,
     The prefill endpoint is chosen only for a request that will have a prefill
     leg, so a skipped request counts no prefill choice and no prefill load.
     """
-    handshake = config.kv_protocol
     surface, target, body = request.surface, request.target, request.body
     if not choose_prefill.configured:
         # No prefill configured: decode computes the prompt itself, no handshake.
-        return decode_only_plan(b"POST", target, serialise(body), handshake)
+        return decode_only_plan(b"POST", target, serialise(body))
     skipped = skip_reason(config, surface, body, request.prompt_bytes)
     if skipped is not None:
         # Decode gets the client's request unchanged and computes the prompt.
-        return decode_only_plan(b"POST", target, serialise(body), handshake,
-                                skip_reason=skipped)
+        return decode_only_plan(b"POST", target, serialise(body), skip_reason=skipped)
     prefill = choose_prefill()
     if prefill is None:  # dns+ names that resolve to no address
-        return decode_only_plan(b"POST", target, None, handshake, client_body=body,
+        return decode_only_plan(b"POST", target, None, client_body=body,
                                 prefill_failure="no usable prefill endpoint")
     return await _two_legs(config, bootstrap, ids, surface, target, body, prefill)
 
@@ -97,7 +95,7 @@ async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, surface
     try:
         engines = await bootstrap.engines(prefill)
     except BootstrapError as exc:
-        failed = decode_only_plan(b"POST", target, None, handshake, client_body=body,
+        failed = decode_only_plan(b"POST", target, None, client_body=body,
                                   prefill_failure=str(exc))
         failed.prefill = prefill
         return failed

@@ -26,9 +26,9 @@ def plan(body: Body, target: bytes, prefill: Any, surface: str = CHAT,
     prefill_body = relay_prefill_body(body, surface)
     if forward_token_ids and surface == CHAT:
         prefill_body["return_token_ids"] = True
-    return Plan("relay", b"POST", target, None, client_body=body, prefill=prefill,
+    return Plan(b"POST", target, None, client_body=body, prefill=prefill,
                 prefill_target=path_only(target), prefill_body=serialise(prefill_body),
-                decode_body_for=partial(_decode_body, body), surface=surface)
+                decode_body_for=partial(_decode_body, body))
 
 
 def _decode_body(body: Body, prefill_kv: Any, prompt_token_ids: Any = None) -> bytes:

@@ -12,6 +12,6 @@ def plan(body: Body, target: bytes, prefill: Any, bootstrap_host: str, bootstrap
          room: int, rid: str, surface: str = CHAT) -> Plan:
     """Both legs at once, the same body, the same room and the same proxy-made rid."""
     shaped = serialise(sglang_body(body, bootstrap_host, bootstrap_port, room, rid))
-    return Plan("sglang", b"POST", target, shaped, client_body=body, prefill=prefill,
+    return Plan(b"POST", target, shaped, client_body=body, prefill=prefill,
                 prefill_target=path_only(target), prefill_body=shaped, concurrent=True,
-                abort_rid=rid, surface=surface)
+                abort_rid=rid)

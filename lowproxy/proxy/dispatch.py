@@ -94,11 +94,12 @@ class Dispatcher:
             plan = planning if isinstance(planning, Plan) else await planning
             if plan.skip_reason is not None:
                 exchange.skip_reason = plan.skip_reason
-                self.metrics.prefill_legs.inc(plan.handshake, "skipped", plan.skip_reason)
-            exchange.abort_rid = plan.abort_rid
+                self.metrics.prefill_legs.inc(exchange.handshake or "", "skipped",
+                                              plan.skip_reason)
+            abort_rid = plan.abort_rid
             response = await self._decode_response(exchange, responder, plan)
             del plan
-            await self._copy_answer(exchange, responder, response)
+            await self._copy_answer(exchange, responder, response, abort_rid)
         except Failure as failure:
             await self.answer_failure(exchange, responder, failure)
         finally:
@@ -120,10 +121,10 @@ class Dispatcher:
         body = plan.decode_body
         if plan.prefill_failure is not None:
             # The prefill leg could not even be sent (no endpoint, no bootstrap map).
-            self.metrics.prefill_legs.inc(plan.handshake, "error")
+            self.metrics.prefill_legs.inc(exchange.handshake or "", "error")
             logs.warn(log, f"prefill leg not sent: {plan.prefill_failure}", exchange.request_id,
                       backend=plan.prefill.label if plan.prefill is not None else None,
-                      handshake=plan.handshake)
+                      handshake=exchange.handshake)
             body = self._without_kv(exchange, plan, plan.prefill_failure)
         return await self._open_decode_bounded(exchange, responder, plan.method,
                                                plan.decode_target, body)
@@ -170,29 +171,29 @@ class Dispatcher:
                     if result is not None:  # committed: decode reads the KV prefill made
                         exchange.prefill_cached_tokens = result.cached_tokens
                 else:
-                    self._drop_decode(exchange, decode_task)
+                    self._drop_decode(exchange, decode_task, plan.abort_rid)
                     body = self._without_kv(exchange, plan, result)
                     exchange.decode_started = None  # a new decode leg, its own timeout
                     response = await self._open_decode_bounded(
                         exchange, responder, plan.method, plan.decode_target, body)
         except TimeoutError:
-            self._drop_decode(exchange, decode_task)
+            self._drop_decode(exchange, decode_task, plan.abort_rid)
             raise DecodeTimedOut() from None
         except BaseException:
             # The client left, or decode failed: abort decode at once; a prefill
             # still running is left to finish, unless it can be aborted by rid.
-            self._drop_decode(exchange, decode_task)
+            self._drop_decode(exchange, decode_task, plan.abort_rid)
             if not prefill_task.done():
-                self._abort(exchange, plan.prefill, "prefill")
+                self._abort(exchange, plan.prefill, "prefill", plan.abort_rid)
             raise
         return response
 
-    def _drop_decode(self, exchange: Exchange,
-                     task: asyncio.Task[UpstreamResponse]) -> None:
+    def _drop_decode(self, exchange: Exchange, task: asyncio.Task[UpstreamResponse],
+                     abort_rid: str | None) -> None:
         """Close a decode leg that will not be relayed, and abort it by rid (SGLang)."""
         drop_decode(task)
         if exchange.decode_endpoint is not None:
-            self._abort(exchange, exchange.decode_endpoint, "decode")
+            self._abort(exchange, exchange.decode_endpoint, "decode", abort_rid)
 
     def _without_kv(self, exchange: Exchange, plan: Plan,
                     failed: PrefillResult | str) -> bytes:
@@ -209,9 +210,9 @@ class Dispatcher:
             detail = failed
         if self.config.on_prefill_failure == "error":
             raise PrefillFailed(detail)
-        self.metrics.prefill_legs.inc(plan.handshake, "recompute")
+        self.metrics.prefill_legs.inc(exchange.handshake or "", "recompute")
         logs.warn(log, "decode will recompute the prompt without transferred KV",
-                  exchange.request_id, handshake=plan.handshake)
+                  exchange.request_id, handshake=exchange.handshake)
         return plan.fallback_body()
 
     # -- decode
@@ -282,7 +283,7 @@ class Dispatcher:
         return deadline(max(0.0, limit - (time.perf_counter() - exchange.decode_started)))
 
     async def _copy_answer(self, exchange: Exchange, responder: ResponseWriter,
-                           response: UpstreamResponse) -> None:
+                           response: UpstreamResponse, abort_rid: str | None) -> None:
         """Relay an opened decode response within the decode timeout; always close it."""
         try:
             async with self._decode_deadline(exchange):
@@ -292,7 +293,7 @@ class Dispatcher:
         except (asyncio.CancelledError, ClientGone) as exc:
             if isinstance(exc, ClientGone) or responder.client_gone:
                 self.metrics.decode_legs.inc("client-gone")
-                self._abort(exchange, response.endpoint, "decode")
+                self._abort(exchange, response.endpoint, "decode", abort_rid)
             raise
         finally:
             await response.aclose()
@@ -405,9 +406,9 @@ class Dispatcher:
 
     # -- SGLang aborts: no leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT
 
-    def _abort(self, exchange: Exchange, endpoint: Endpoint, role: str) -> None:
-        """Ask ``endpoint`` to abort this request's leg by its rid (SGLang only)."""
-        rid = exchange.abort_rid
+    def _abort(self, exchange: Exchange, endpoint: Endpoint, role: str,
+               rid: str | None) -> None:
+        """Ask ``endpoint`` to abort this request's leg by the plan's rid (SGLang only)."""
         if rid is None:
             return
         if role == "decode":
@@ -433,7 +434,7 @@ class Dispatcher:
             result, status = await send_prefill_leg(
                 self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
                 plan.prefill_body, plan.prefill_headers, want_kv, self.config.prefill_timeout,
-                plan.surface if self.config.rewrite_cached_tokens else None)
+                exchange.surface if self.config.rewrite_cached_tokens else None)
         finally:
             # Now, not when a stream that may last minutes ends: its prompt no
             # longer loads the prefill endpoint.

@@ -41,7 +41,6 @@ class Exchange:
     prefill_backend: str | None = None
     wants_stream: bool = False
     skip_reason: str | None = None  # why the prefill leg was skipped, when it was
-    abort_rid: str | None = None  # SGLang: the rid both legs carry, to abort them by
     decode_endpoint: Any = None  # where the decode leg went (an upstream Endpoint)
     surface: str | None = None  # the generation surface (routes.CHAT, ...), if one
     model: str | None = None  # the model a generation request names (routes its legs)
