@@ -18,7 +18,18 @@ import pytest
 from helpers import chat, config_for, running_proxy
 from lowproxy.demo import start_pair
 from lowproxy.handshakes.usage import cached_tokens_of, rewrite_body, rewrite_events
-from lowproxy.routes import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES, classify, surface_of
+from lowproxy.routes import (
+    CHAT,
+    COMPLETIONS,
+    GENERATE,
+    GENERATION,
+    MESSAGES,
+    PASSTHROUGH,
+    RESPONSES,
+    classify,
+    route_and_surface,
+    surface_of,
+)
 
 RESPONSES_PATH = "/v1/responses"
 MESSAGES_PATH = "/v1/messages"
@@ -284,3 +295,13 @@ async def test_messages_eos_first_token_loses_the_kv_under_mooncake():
     finally:
         await prefill.close()
         await decode.close()
+
+
+def test_route_and_surface_finds_the_surface_once_with_the_route():
+    assert route_and_surface(b"POST", "/gw/v1/chat/completions") == (GENERATION, CHAT)
+    assert route_and_surface(b"POST", "/v1/messages") == (GENERATION, MESSAGES)
+    assert route_and_surface(b"GET", "/v1/chat/completions") == (PASSTHROUGH, None)
+    assert route_and_surface(b"POST", "/v1/embeddings") == (PASSTHROUGH, None)
+    for method, path in ((b"POST", "/v1/completions"), (b"GET", "/healthz"),
+                         (b"PUT", "/v1/instances/add")):
+        assert route_and_surface(method, path)[0] == classify(method, path)

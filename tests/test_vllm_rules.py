@@ -114,7 +114,7 @@ def test_relay_passes_every_key_on_with_the_flags_turned(answer):
 @pytest.mark.parametrize("answer", [None, [], "x", 3, {}])
 def test_relay_params_that_are_not_an_object_mean_recompute(answer):
     assert "kv_transfer_params" not in relay_decode_body(chat(), answer)
-    plan = relay.plan(chat(), CHAT.encode(), object())
+    plan = relay.plan(chat(), CHAT.encode(), CHAT.encode(), object())
     assert plan.decode_body_for is not None
     assert b"kv_transfer_params" not in plan.decode_body_for(answer)
 

@@ -27,15 +27,16 @@ def _not_watched() -> None:
 
 
 class ClientRequest:
-    __slots__ = ("method", "target", "path", "headers", "body", "http_version", "_watch")
+    __slots__ = ("method", "target", "path_bytes", "path", "headers", "body", "http_version",
+                 "_watch")
 
     def __init__(self, method: bytes, target: bytes, headers: Headers,
                  body: bytes, http_version: bytes,
                  watch: Callable[[], None] = _not_watched) -> None:
         self.method = method
         self.target = target  # path and query exactly as received
-        path = target.split(b"?", 1)[0]
-        self.path = path.decode("latin-1")
+        self.path_bytes = target.split(b"?", 1)[0]  # the one split of the target
+        self.path = self.path_bytes.decode("latin-1")
         self.headers = headers  # lowercased names, raw values, in order
         self.body = body
         self.http_version = http_version

@@ -145,11 +145,6 @@ def sglang_body(body: Body, bootstrap_host: str, bootstrap_port: int, room: int,
 
 
 
-def path_only(target: bytes) -> bytes:
-    """Prefill gets the path without the query string, as the GCO proxy sent it."""
-    return target.split(b"?", 1)[0]
-
-
 @dataclass(slots=True)
 class Plan:
     """What to send for one request: made by a handshake's plan(), run by dispatch.

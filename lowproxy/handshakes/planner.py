@@ -34,6 +34,7 @@ class Generation:
 
     surface: str  # routes.CHAT, COMPLETIONS, ...
     target: bytes  # path and query as the client sent them: decode's target
+    path: bytes  # the path alone: prefill's target, as the GCO proxy sent it
     body: Body
     prompt_bytes: int | None = None  # the prompt's size, when a setting reads it
 
@@ -77,20 +78,21 @@ async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids,
     if prefill is None:  # dns+ names that resolve to no address
         return decode_only_plan(b"POST", target, None, client_body=body,
                                 prefill_failure="no usable prefill endpoint")
-    return await _two_legs(config, bootstrap, ids, surface, target, body, prefill)
+    return await _two_legs(config, bootstrap, ids, request, prefill)
 
 
-async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, surface: str,
-                    target: bytes, body: Body, prefill: Any) -> Plan:
+async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, request: Generation,
+                    prefill: Any) -> Plan:
     """The configured handshake's plan, with its prefill leg going to ``prefill``."""
     handshake = config.kv_protocol
+    surface, target, path, body = request.surface, request.target, request.path, request.body
     if handshake == "relay":
-        return relay.plan(body, target, prefill, surface, config.forward_prompt_token_ids)
+        return relay.plan(body, target, path, prefill, surface, config.forward_prompt_token_ids)
     if handshake == "sglang":
         port = prefill.spec.bootstrap_port or config.sglang_bootstrap_port
         room = _rooms.getrandbits(63)  # non-negative, fits SGLang's int64 room id
         rid = f"lowproxy-{ids.next_hex()}"  # fixed width: no rid is a prefix of another
-        return sglang.plan(body, target, prefill, prefill.bootstrap_host, port, room, rid,
+        return sglang.plan(body, target, path, prefill, prefill.bootstrap_host, port, room, rid,
                            surface)
     try:
         engines = await bootstrap.engines(prefill)
@@ -101,5 +103,5 @@ async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, surface
         return failed
     rank, engine_id = engines.next_rank()
     # xfer-<uuid4>: the llm-d sidecar's form, kept so logs and tools line up.
-    return mooncake.plan(body, target, prefill, rank, engine_id,
+    return mooncake.plan(body, target, path, prefill, rank, engine_id,
                          bootstrap.bootstrap_addr(prefill), f"xfer-{uuid.uuid4()}", surface)

@@ -12,10 +12,10 @@ from functools import partial
 from typing import Any
 
 from ..routes import CHAT
-from .legs import Body, Plan, path_only, relay_decode_body, relay_prefill_body, serialise
+from .legs import Body, Plan, relay_decode_body, relay_prefill_body, serialise
 
 
-def plan(body: Body, target: bytes, prefill: Any, surface: str = CHAT,
+def plan(body: Body, target: bytes, path: bytes, prefill: Any, surface: str = CHAT,
          forward_token_ids: bool = False) -> Plan:
     """Both legs in turn: decode's body is made from prefill's answer.
 
@@ -27,7 +27,7 @@ def plan(body: Body, target: bytes, prefill: Any, surface: str = CHAT,
     if forward_token_ids and surface == CHAT:
         prefill_body["return_token_ids"] = True
     return Plan(b"POST", target, None, client_body=body, prefill=prefill,
-                prefill_target=path_only(target), prefill_body=serialise(prefill_body),
+                prefill_target=path, prefill_body=serialise(prefill_body),
                 decode_body_for=partial(_decode_body, body))
 
 

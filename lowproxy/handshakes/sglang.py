@@ -5,13 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from ..routes import CHAT
-from .legs import Body, Plan, path_only, serialise, sglang_body
+from .legs import Body, Plan, serialise, sglang_body
 
 
-def plan(body: Body, target: bytes, prefill: Any, bootstrap_host: str, bootstrap_port: int,
-         room: int, rid: str, surface: str = CHAT) -> Plan:
+def plan(body: Body, target: bytes, path: bytes, prefill: Any, bootstrap_host: str,
+         bootstrap_port: int, room: int, rid: str, surface: str = CHAT) -> Plan:
     """Both legs at once, the same body, the same room and the same proxy-made rid."""
     shaped = serialise(sglang_body(body, bootstrap_host, bootstrap_port, room, rid))
     return Plan(b"POST", target, shaped, client_body=body, prefill=prefill,
-                prefill_target=path_only(target), prefill_body=shaped, concurrent=True,
+                prefill_target=path, prefill_body=shaped, concurrent=True,
                 abort_rid=rid)

@@ -27,7 +27,7 @@ from ..ids import Ids
 from ..keys import BackendKey, ClientKeys
 from ..observability import logs
 from ..observability.metrics import Metrics
-from ..routes import ADMIN, CHAT, GENERATION, HEALTH, METRICS, READY, classify, surface_of
+from ..routes import ADMIN, HEALTH, METRICS, READY, classify, route_and_surface
 from ..routing.affinity import PromptFacts, prompt_facts
 from ..routing.groups import BackendGroup, PrefillTargetAllowList
 from ..routing.health import HealthMonitor
@@ -123,7 +123,7 @@ class Proxy:
     # -- the handler
 
     async def handle(self, request: ClientRequest, responder: ResponseWriter) -> None:
-        route = classify(request.method, request.path)
+        route, surface = route_and_surface(request.method, request.path)
         if route == HEALTH:
             await self._local(responder, route, 200, answers.HEALTH_OK)
             return
@@ -152,8 +152,8 @@ class Proxy:
         try:
             if route == ADMIN:
                 await self.instances.handle(request, responder)
-            elif route == GENERATION:
-                await self._generation(exchange, responder)
+            elif surface is not None:  # route GENERATION
+                await self._generation(exchange, responder, surface)
             else:
                 await self._passthrough(exchange, responder)
         finally:
@@ -233,7 +233,8 @@ class Proxy:
 
     # -- requests that reach backends
 
-    async def _generation(self, exchange: Exchange, responder: ResponseWriter) -> None:
+    async def _generation(self, exchange: Exchange, responder: ResponseWriter,
+                          surface: str) -> None:
         request = exchange.request
         try:
             body = without_client_kv(parse_client_body(request.body))
@@ -241,7 +242,6 @@ class Proxy:
             await responder.send_bytes(400, answers.invalid_body(str(exc)))
             return
         request.body = b""  # parsed: a long stream must not keep the raw prompt too
-        surface = surface_of(request.path) or CHAT
         rejected = decode_would_reject(body, surface)
         if rejected is not None:
             # Decode would reject it after prefill computed a KV nobody reads.
@@ -268,7 +268,8 @@ class Proxy:
         facts = self._prompt_facts(surface, body)
         exchange.prefill_lease = self.prefill_choice.lease(named, facts, model)
         planning = plan_generation(self.config, self.bootstrap, self.ids,
-                                   Generation(surface, request.target, body, facts.size),
+                                   Generation(surface, request.target, request.path_bytes, body,
+                                              facts.size),
                                    exchange.prefill_lease)
         del body  # the plan holds it until decode's response is open, and no longer
         exchange.model = model  # decode's pick: endpoints serving the model

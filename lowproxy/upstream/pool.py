@@ -26,6 +26,7 @@ from typing import Protocol, cast
 import httpcore
 
 from ..config.settings import Config, EndpointSpec
+from ..headers import body_framing
 from ..tls import TrustStore, TrustUnavailable
 from .chunked import ChunkedError, ChunkedRelay, Deliver
 from .errors import (
@@ -135,11 +136,10 @@ class UpstreamResponse:
         self._body = cast(_BodyStream, response.stream)
         self._complete = False
         self._closed = False
-        framed_by_te = any(name.lower() == b"transfer-encoding" for name, _ in headers)
+        _, framed_by_te = body_framing(headers)
         if framed_by_te:
-            # Transfer-Encoding beats Content-Length (RFC 9112 section 6.3, as h11
-            # frames it): a length sent beside it describes nothing and must not
-            # reach anyone who might frame the relayed body by it.
+            # A length beside Transfer-Encoding describes nothing (body_framing)
+            # and must not reach anyone who might frame the relayed body by it.
             headers = [(n, v) for n, v in headers if n.lower() != b"content-length"]
         self.headers = headers
         # A chunked body (a stream) is decoded here, not by h11: see _relay_chunked.
