@@ -16,6 +16,7 @@ from ..downstream.messages import Headers
 from ..handshakes.backend_json import MAX_PREFILL_ANSWER_BYTES
 from ..observability import logs
 from ..timeouts import deadline
+from ..upstream.errors import UpstreamTimeout, UpstreamUnreachable
 from ..upstream.pool import Endpoint, Upstream, UpstreamError, UpstreamResponse
 from .failures import PrefillResult, prefill_outcome
 
@@ -50,7 +51,8 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
         return PrefillResult(False, "timeout",
                              detail=f"prefill did not answer within {timeout:g}s"), status
     except UpstreamError as exc:
-        outcome = {"unreachable": "unreachable", "timeout": "timeout"}.get(exc.reason, "error")
+        outcome = ("unreachable" if isinstance(exc, UpstreamUnreachable)
+                   else "timeout" if isinstance(exc, UpstreamTimeout) else "error")
         return PrefillResult(False, outcome, detail=exc.detail), status
 
 

@@ -27,6 +27,7 @@ from ..observability import logs
 from ..observability.metrics import Metrics
 from ..routing.groups import BackendGroup
 from ..timeouts import deadline, first_done
+from ..upstream.errors import UpstreamUnreachable, UpstreamUntrusted
 from ..upstream.pool import Endpoint, Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
 from .auxiliary_legs import BackgroundTasks, drop_decode, send_abort, send_prefill_leg
 from .exchange import Exchange, PrefillLeg
@@ -258,10 +259,10 @@ class Dispatcher:
                 raise DecodeFailed(UpstreamTimeout(
                     f"{endpoint.label} sent no response head within "
                     f"{self.config.decode_first_byte_timeout:g}s", endpoint)) from None
+            except UpstreamUntrusted as exc:
+                raise NoDecode(exc.detail) from None
             except UpstreamError as exc:
-                if exc.reason == "untrusted":
-                    raise NoDecode(exc.detail) from None
-                if exc.reason != "unreachable":
+                if not isinstance(exc, UpstreamUnreachable):
                     raise DecodeFailed(exc) from None
                 self.decode.cool_down(endpoint)
                 logs.warn(log, f"decode backend unreachable: {exc.detail}",
@@ -371,12 +372,12 @@ class Dispatcher:
                 config.no_decode_message)
         elif isinstance(failure, DecodeFailed):
             error = failure.error
-            self.metrics.decode_legs.inc("unreachable" if error.reason == "unreachable"
+            self.metrics.decode_legs.inc("unreachable" if isinstance(error, UpstreamUnreachable)
                                          else "error")
             logs.warn(log, f"decode backend failed before answering ({error.reason}): "
                       f"{error.detail}", request_id,
                       backend=error.endpoint.label if error.endpoint else None)
-            status = 504 if error.reason == "timeout" else 502
+            status = 504 if isinstance(error, UpstreamTimeout) else 502
             body = answers.decode_failed(status)
         elif isinstance(failure, DecodeTimedOut):
             self.metrics.decode_legs.inc("timeout")

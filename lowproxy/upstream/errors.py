@@ -1,9 +1,10 @@
 """The UpstreamError family: how an exchange with a backend can fail.
 
 A leaf (it imports no lowproxy module), so that anything may catch these
-without importing the pool. Callers choose the client's answer and the metric
-label by ``reason``, a stable string; the class says the same to ``except``,
-as httpcore's own exception family does. Only upstream.py raises them.
+without importing the pool. Callers tell failures apart by class, as with
+httpcore's own exception family; ``reason`` is the same said as a stable word,
+for log lines. The pool (pool.py) raises them; dispatch also names its own
+decode first-byte timeout with an UpstreamTimeout.
 """
 
 from __future__ import annotations
