@@ -192,3 +192,18 @@ async def test_hostile_query_answer_with_error_policy_is_a_502(case):
         await prefill.close()
         await decode.close()
         await bootstrap.close()
+
+
+def test_strict_json_is_the_one_parser_of_client_bodies_and_backend_answers() -> None:
+    from lowproxy.handshakes import strict_json
+
+    assert strict_json.loads(b'{"a": [1, 2.5, null]}') == {"a": [1, 2.5, None]}
+    for bad in (b"NaN", b'{"x": Infinity}', b"[1e999]", b"\xff", b"{"):
+        with pytest.raises(strict_json.NotJson):
+            strict_json.loads(bad)
+    deep = b"[" * (strict_json.MAX_DEPTH + 1) + b"]" * (strict_json.MAX_DEPTH + 1)
+    flat = b"[" * strict_json.MAX_DEPTH + b"]" * strict_json.MAX_DEPTH
+    assert strict_json.nested_deeper_than(strict_json.loads(flat), strict_json.MAX_DEPTH) is False
+    for too_deep in (deep, b"[" * 100000 + b"]" * 100000):
+        with pytest.raises(strict_json.TooDeep):
+            strict_json.loads(too_deep)

@@ -24,7 +24,7 @@ from .failures import PrefillResult, prefill_outcome
 ABORT_TIMEOUT_SECONDS = 2.0
 ABORT_HEADERS = [(b"content-type", b"application/json")]
 
-log = logging.getLogger("lowproxy.exchange")
+log = logging.getLogger("lowproxy.dispatch")
 
 
 async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes,

@@ -46,7 +46,7 @@ from .tracing import Tracing
 # A non-streamed answer whose usage is rewritten is read whole; larger is cut.
 MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
 
-log = logging.getLogger("lowproxy.exchange")
+log = logging.getLogger("lowproxy.dispatch")
 
 
 def _nobody_listens(exchange: Exchange) -> None:
