@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-Headers = list[tuple[bytes, bytes]]
+from ._types import Headers
 
 # End-to-end request headers a model server may act on. Everything else (cookies,
 # authorization, proxy headers, x-prefiller-host-port, content-length, host,

@@ -34,8 +34,8 @@ from helpers import (
 )
 from lowproxy.config import Config, parse_endpoint
 from lowproxy.tls import TrustStore
+from lowproxy.upstream import Endpoint
 from lowproxy.upstream.pool import (
-    Endpoint,
     Upstream,
     UpstreamClosed,
     UpstreamError,

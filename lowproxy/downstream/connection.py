@@ -19,10 +19,11 @@ from typing import Any, Awaitable, Callable
 
 import h11
 
+from .._types import Headers
 from ..answers import REASONS, bad_gateway, canned_response, error_body, internal_error
 from ..timeouts import deadline
 from .limits import Limits, origin_target, oversized_head_status, refusal
-from .messages import AbortResponse, ClientGone, ClientRequest, Headers, ResponseWriter
+from .messages import AbortResponse, ClientGone, ClientRequest, ResponseWriter
 from .responder import Responder
 
 log = logging.getLogger("lowproxy.server")

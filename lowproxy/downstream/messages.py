@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Protocol
 
-Headers = list[tuple[bytes, bytes]]
+from .._types import Headers
 
 
 class ClientGone(Exception):

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import h11
 
+from .._types import Headers
 from ..answers import REASONS, json_body
-from .messages import Headers
 
 # Past this much unsent to a client, stop relaying until it catches up.
 WRITE_HIGH_WATER = 64 * 1024

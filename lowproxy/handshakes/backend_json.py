@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._types import KV
 from . import strict_json
 from .strict_json import MAX_DEPTH
 
@@ -25,7 +26,6 @@ MAX_RANK_DIGITS = 6
 # vLLM's engine ids are "<uuid>_dp<rank>" (about 45 characters) unless pinned.
 MAX_ENGINE_ID_CHARS = 256
 
-KV = "kv_transfer_params"
 
 
 class BadAnswer(ValueError):

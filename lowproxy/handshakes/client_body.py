@@ -9,12 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._types import KV, Body
 from . import strict_json
 from .strict_json import MAX_DEPTH
-
-Body = dict[str, Any]
-
-KV = "kv_transfer_params"
 
 PROXY_OWNED_FIELDS: tuple[tuple[str, ...], ...] = (
     (KV,),

@@ -10,18 +10,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .._types import KV, Body, Headers
 from ..routes import CHAT, GENERATE, MESSAGES, RESPONSES
+from ..upstream.endpoint import Endpoint
 from .rules import (
     GENERATE_SAMPLING_DROPPED,
     MESSAGES_PREFILL_DROPPED,
     PREFILL_DROPPED,
     RESPONSES_PREFILL_DROPPED,
 )
-
-Body = dict[str, Any]
-Headers = list[tuple[bytes, bytes]]
-
-KV = "kv_transfer_params"
 
 
 def serialise(body: Body) -> bytes:
@@ -162,7 +159,7 @@ class Plan:
     decode_target: bytes
     decode_body: bytes | None
     client_body: Body | None = None
-    prefill: Any = None  # the chosen prefill Endpoint
+    prefill: Endpoint | None = None  # the chosen prefill endpoint
     prefill_target: bytes = b""
     prefill_body: bytes = b""
     prefill_headers: Headers = field(default_factory=list)

@@ -11,14 +11,16 @@ from __future__ import annotations
 import random
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
+from .._types import Body
 from ..config.settings import Config
 from ..ids import Ids
 from ..routes import CHAT, COMPLETIONS
+from ..upstream.endpoint import Endpoint
 from . import mooncake, relay, sglang
 from .bootstrap import BootstrapCache, BootstrapError
-from .legs import Body, Plan, decode_only_plan, serialise
+from .legs import Plan, decode_only_plan, serialise
 from .rules import SHORT, cannot_hand_off, too_short
 
 # What SGLang's PD serves with bootstrap fields; other surfaces go to decode alone.
@@ -45,7 +47,7 @@ class PrefillPick(Protocol):
     @property
     def configured(self) -> bool: ...
 
-    def __call__(self) -> Any: ...
+    def __call__(self) -> Endpoint | None: ...
 
 
 def skip_reason(config: Config, surface: str, body: Body, prompt_bytes: int | None
@@ -82,7 +84,7 @@ async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids,
 
 
 async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, request: Generation,
-                    prefill: Any) -> Plan:
+                    prefill: Endpoint) -> Plan:
     """The configured handshake's plan, with its prefill leg going to ``prefill``."""
     handshake = config.kv_protocol
     surface, target, path, body = request.surface, request.target, request.path, request.body

@@ -11,11 +11,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from .._types import Body
 from ..routes import CHAT
-from .legs import Body, Plan, relay_decode_body, relay_prefill_body, serialise
+from ..upstream.endpoint import Endpoint
+from .legs import Plan, relay_decode_body, relay_prefill_body, serialise
 
 
-def plan(body: Body, target: bytes, path: bytes, prefill: Any, surface: str = CHAT,
+def plan(body: Body, target: bytes, path: bytes, prefill: Endpoint, surface: str = CHAT,
          forward_token_ids: bool = False) -> Plan:
     """Both legs in turn: decode's body is made from prefill's answer.
 

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._types import Body
 from ..routes import CHAT, COMPLETIONS, GENERATE, RESPONSES
-
-Body = dict[str, Any]
 
 # The fields the prefill leg drops, and why (the README's table is this one).
 PREFILL_DROPPED: dict[str, str] = {

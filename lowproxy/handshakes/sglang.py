@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+from .._types import Body
 from ..routes import CHAT
-from .legs import Body, Plan, serialise, sglang_body
+from ..upstream.endpoint import Endpoint
+from .legs import Plan, serialise, sglang_body
 
 
-def plan(body: Body, target: bytes, path: bytes, prefill: Any, bootstrap_host: str,
+def plan(body: Body, target: bytes, path: bytes, prefill: Endpoint, bootstrap_host: str,
          bootstrap_port: int, room: int, rid: str, surface: str = CHAT) -> Plan:
     """Both legs at once, the same body, the same room and the same proxy-made rid."""
     shaped = serialise(sglang_body(body, bootstrap_host, bootstrap_port, room, rid))

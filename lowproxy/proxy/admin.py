@@ -28,7 +28,8 @@ from ..keys import BackendKey, bearer_token
 from ..routes import admin_action
 from ..routing.groups import BackendGroup
 from ..timeouts import deadline
-from ..upstream.pool import Endpoint, Upstream, UpstreamError
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Upstream, UpstreamError
 
 log = logging.getLogger("lowproxy.admin")
 

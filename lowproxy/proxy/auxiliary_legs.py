@@ -11,13 +11,14 @@ import asyncio
 import logging
 from typing import Any, Coroutine
 
+from .._types import Headers
 from ..answers import json_body
-from ..downstream.messages import Headers
 from ..handshakes.backend_json import MAX_PREFILL_ANSWER_BYTES
 from ..observability import logs
 from ..timeouts import deadline
+from ..upstream.endpoint import Endpoint
 from ..upstream.errors import UpstreamTimeout, UpstreamUnreachable
-from ..upstream.pool import Endpoint, Upstream, UpstreamError, UpstreamResponse
+from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse
 from .failures import PrefillResult, prefill_outcome
 
 # SGLang's POST /abort_request: best effort, and never waited on by a client.

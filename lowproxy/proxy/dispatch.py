@@ -17,8 +17,9 @@ import time
 from typing import Any, Awaitable, Callable
 
 from .. import answers
+from .._types import Headers
 from ..config.settings import Config
-from ..downstream.messages import AbortResponse, ClientGone, Headers, ResponseWriter
+from ..downstream.messages import AbortResponse, ClientGone, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.legs import Plan
 from ..handshakes.usage import rewrite_body, rewrite_events
@@ -27,8 +28,9 @@ from ..observability import logs
 from ..observability.metrics import Metrics
 from ..routing.groups import BackendGroup
 from ..timeouts import deadline, first_done
+from ..upstream.endpoint import Endpoint
 from ..upstream.errors import UpstreamUnreachable, UpstreamUntrusted
-from ..upstream.pool import Endpoint, Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
+from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
 from .auxiliary_legs import BackgroundTasks, drop_decode, send_abort, send_prefill_leg
 from .exchange import Exchange, PrefillLeg
 from .failures import (
@@ -184,7 +186,7 @@ class Dispatcher:
             # The client left, or decode failed: abort decode at once; a prefill
             # still running is left to finish, unless it can be aborted by rid.
             self._drop_decode(exchange, decode_task, plan.abort_rid)
-            if not prefill_task.done():
+            if not prefill_task.done() and plan.prefill is not None:
                 self._abort(exchange, plan.prefill, "prefill", plan.abort_rid)
             raise
         return response
@@ -427,7 +429,8 @@ class Dispatcher:
         cached bootstrap map (a restarted prefill has new engine ids).
         """
         handshake = exchange.handshake or "relay"
-        endpoint: Endpoint = plan.prefill
+        endpoint = plan.prefill
+        assert endpoint is not None  # only a two-leg plan has a prefill leg
         started = time.perf_counter()
         exchange.prefill_backend = endpoint.label
         exchange.prefill_leg = PrefillLeg.RUNNING

@@ -11,8 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..downstream.messages import ClientRequest, Headers
+from .._types import Headers
+from ..downstream.messages import ClientRequest
 from ..routing.prefill import PrefillLease
+from ..upstream.endpoint import Endpoint
 
 
 class PrefillLeg(enum.Enum):
@@ -41,7 +43,7 @@ class Exchange:
     prefill_backend: str | None = None
     wants_stream: bool = False
     skip_reason: str | None = None  # why the prefill leg was skipped, when it was
-    decode_endpoint: Any = None  # where the decode leg went (an upstream Endpoint)
+    decode_endpoint: Endpoint | None = None  # where the decode leg went
     surface: str | None = None  # the generation surface (routes.CHAT, ...), if one
     model: str | None = None  # the model a generation request names (routes its legs)
     prefill_cached_tokens: int | None = None  # the prefill's figure, for decode's usage

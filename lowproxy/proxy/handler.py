@@ -33,7 +33,8 @@ from ..routing.groups import BackendGroup, PrefillTargetAllowList
 from ..routing.health import HealthMonitor
 from ..routing.prefill import PrefillChooser, TargetRefused
 from ..tls import TrustStore
-from ..upstream.pool import Endpoint, Resolver, Upstream, system_resolver
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Resolver, Upstream, system_resolver
 from .admin import Instances
 from .dispatch import Dispatcher
 from .exchange import Exchange

@@ -31,7 +31,8 @@ from .. import answers
 from ..config.settings import Config
 from ..keys import BackendKey
 from ..timeouts import deadline
-from ..upstream.pool import Endpoint, Upstream, UpstreamError
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Upstream, UpstreamError
 from .groups import BackendGroup, ModelList
 
 log = logging.getLogger("lowproxy.health")

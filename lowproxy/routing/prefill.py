@@ -26,7 +26,8 @@ from collections import OrderedDict
 
 from ..config.settings import EndpointSpec, split_host_port
 from ..observability.metrics import Counter
-from ..upstream.pool import Endpoint, Upstream
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Upstream
 from .affinity import PromptFacts, Ring, choose_bounded, stable_hash
 from .groups import HEADER_TARGETS_KEPT, BackendGroup, PrefillTargetAllowList
 
