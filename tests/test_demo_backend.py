@@ -1,5 +1,5 @@
 """The demo backend itself, driven over sockets: it must do what vLLM 0.33 (and
-SGLang) do on the points PROTOCOL.md lists, or the proxy's tests prove nothing.
+SGLang) do on the points the proxy relies on, or the proxy's tests prove nothing.
 
 No proxy here: each test sends the legs by hand to a DemoBackend started in it.
 """

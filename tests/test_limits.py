@@ -1,6 +1,6 @@
 """Every client-side limit over a raw socket, and a normal request served right after.
 
-Limits are set small here (the defaults are checked once, against config.py);
+Limits are set small here (the defaults are checked once, against config/settings.py);
 each test opens its own proxy in front of demo backends, sends what a hostile
 or broken client would, checks the status and that the connection was closed,
 that no backend saw the request, and that the proxy still serves a normal

@@ -1,7 +1,7 @@
 """What bench/soak.py found in lowproxy itself, each reduced to one exchange over sockets.
 
 Stray bytes that are already in the kernel when a pooled connection is checked out.
-The idle watch (upstream.py _finish) drops a pooled connection when its
+The idle watch (upstream/pool.py _finish) drops a pooled connection when its
 data_received callback runs, and the checkout asks httpcore's ``has_expired()``,
 which asks the stream ``is_readable``; lowproxy's AsyncioStream answers that from
 what its protocol has buffered only. Bytes the backend wrote while the connection

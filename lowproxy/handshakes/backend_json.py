@@ -27,7 +27,6 @@ MAX_RANK_DIGITS = 6
 MAX_ENGINE_ID_CHARS = 256
 
 
-
 class BadAnswer(ValueError):
     """A backend answer the proxy cannot use; the message names why (never the bytes)."""
 

@@ -1,8 +1,8 @@
 """The client's request body: parsed once, and stripped of the fields the proxy owns.
 
 No I/O here. A client must never steer where a decode server pulls KV from
-(shared/PROTOCOL.md), so the fields that would let it are removed before
-planning, whatever the route.
+(a vLLM connector connects wherever kv_transfer_params say), so the fields
+that would let it are removed before planning, whatever the route.
 """
 
 from __future__ import annotations

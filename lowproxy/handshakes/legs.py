@@ -1,7 +1,6 @@
 """Pure body shaping: from the client's JSON object to the prefill and decode bodies.
 
-No I/O here. The facts behind each rule are in shared/PROTOCOL.md; each rule
-names the vLLM behaviour it exists for.
+No I/O here. Each rule names the vLLM behaviour it exists for.
 """
 
 from __future__ import annotations
@@ -138,8 +137,6 @@ def sglang_body(body: Body, bootstrap_host: str, bootstrap_port: int, room: int,
     if rid is not None:
         shaped["rid"] = rid
     return shaped
-
-
 
 
 @dataclass(slots=True)

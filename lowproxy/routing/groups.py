@@ -32,8 +32,6 @@ log = logging.getLogger("lowproxy.backends")
 COOLDOWN_SECONDS = 2.0
 HEADER_TARGETS_KEPT = 256  # pools kept for scheduler-named prefill targets
 
-# The model of the generation request being routed (None: any endpoint).
-
 # One endpoint's models: served name -> max_model_len (None when not reported).
 ModelList = dict[str, "int | None"]
 

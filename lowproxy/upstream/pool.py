@@ -9,7 +9,7 @@ requests: a connection that lived for ever would pin its share of traffic to
 one pod. A rotated CA file retires connections made under the old trust.
 
 httpcore is used below its pool: ``AsyncHTTP11Connection`` does the HTTP/1.1
-exchange over our asyncio-native stream (netstream.py), and this module owns
+exchange over our asyncio-native stream (stream.py), and this module owns
 reuse, retirement and balancing, which httpcore's pool cannot express.
 """
 
