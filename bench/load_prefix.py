@@ -27,7 +27,8 @@ import sys
 import time
 from typing import Any
 
-from load_procs import ROOT, child_env, cpu_delta, cpu_sample, free_port
+from common import ROOT, free_port
+from load_procs import child_env, cpu_delta, cpu_sample
 
 # (row name, PD_PROXY_PREFILL_POLICY, PD_PROXY_AFFINITY_SLACK)
 POLICIES = (("affinity", "affinity", "0.25"), ("affinity/1.0", "affinity", "1"),
