@@ -138,11 +138,7 @@ def test_bench_smoke_trickle_repeat_uvloop(tmp_path):
 
 def test_bench_options_parse():
     """--loop both and lists, scenario order and chat brought along, bad values refused."""
-    sys.path.insert(0, BENCH)
-    try:
-        import load  # noqa: PLC0415 - bench/ is a directory of scripts, not a package
-    finally:
-        sys.path.remove(BENCH)
+    import load  # noqa: PLC0415 - bench/ is on the pytest pythonpath
     args = load.parse_args(["--loop", "asyncio,uvloop", "--scenario", "workers,latency"])
     assert args.loops == ("asyncio", "uvloop")
     assert args.scenarios == ("chat", "latency", "workers")

@@ -46,11 +46,6 @@ def https(backend: DemoBackend, host: str = "localhost") -> str:
 
 
 @pytest.fixture
-def ca() -> trustme.CA:
-    return trustme.CA()
-
-
-@pytest.fixture
 def other_ca() -> trustme.CA:
     return trustme.CA()
 

@@ -11,10 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 
-from helpers import CHAT, Daemon, chat, eventually, exchange, follow_output, free_port, request
+from helpers import (
+    CHAT,
+    Client,
+    Daemon,
+    Reply,
+    chat,
+    eventually,
+    exchange,
+    follow_output,
+    free_port,
+    request,
+)
 from lowproxy.demo import start_pair
 
 
@@ -39,36 +49,20 @@ async def daemon_in_front(chunks: int, chunk_delay: float, drain: float, **env: 
         await decode.close()
 
 
-class Stream:
-    """A streamed generation read event by event on its own connection."""
+async def stream_in_flight(port: int) -> Client:
+    """A streamed generation on its own connection, once its first event has arrived."""
+    client = await Client.open(port)
+    client.send("POST", CHAT, chat(stream=True))
+    await client.read_until(b"data: ")
+    return client
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.raw = b""
 
-    @classmethod
-    async def open(cls, port: int) -> Stream:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        body = json.dumps(chat(stream=True)).encode()
-        writer.write(b"POST %s HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%s" % (CHAT.encode(), len(body), body))
-        stream = cls(reader, writer)
-        while b"data: " not in stream.raw:  # the stream is in flight
-            stream.raw += await asyncio.wait_for(reader.read(65536), 10)
-        return stream
-
-    async def rest(self, timeout: float = 30.0) -> bytes:
-        """Read to the end of the response (a last chunk) or of the connection."""
-        while not self.raw.endswith(b"\r\n0\r\n\r\n"):
-            try:
-                data = await asyncio.wait_for(self.reader.read(65536), timeout)
-            except ConnectionError:
-                break
-            if not data:
-                break
-            self.raw += data
-        self.writer.close()
-        return self.raw
+async def rest_of(stream: Client, timeout: float = 30.0) -> Reply:
+    """The stream read to its end: its last chunk, or the connection's end."""
+    try:
+        return await stream.reply(timeout, reset_ends=True)
+    finally:
+        stream.close()
 
 
 async def keep_alive(port: int):
@@ -95,7 +89,7 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0():
         port = daemon.port
         probe = await keep_alive(port)  # idle keep-alive connections, opened before
         worker = await keep_alive(port)
-        stream = await Stream.open(port)
+        stream = await stream_in_flight(port)
         daemon.proc.send_signal(signal.SIGTERM)
 
         # The listener closes: new clients go elsewhere.
@@ -110,9 +104,10 @@ async def test_sigterm_lets_a_stream_finish_then_exits_0():
         reply = await request(metrics_port, "GET", "/readyz")
         assert reply.status == 503
 
-        body = await stream.rest()
-        assert body.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"), body[-200:]
-        assert body.count(b"data: {") == 40
+        reply = await rest_of(stream)
+        assert reply.header("transfer-encoding") == b"chunked" and reply.complete
+        assert reply.body.endswith(b"data: [DONE]\n\n"), reply.body[-200:]
+        assert reply.body.count(b"data: {") == 40
         assert await asyncio.to_thread(daemon.proc.wait, 30) == 0
         assert decode.aborted_streams == 0
         probe[1].close()
@@ -127,10 +122,10 @@ async def _readyz_when_draining(connection):
 
 async def test_sigint_drains_like_sigterm():
     async with daemon_in_front(10, 0.1, drain=25) as (daemon, decode):
-        stream = await Stream.open(daemon.port)
+        stream = await stream_in_flight(daemon.port)
         daemon.proc.send_signal(signal.SIGINT)
-        body = await stream.rest()
-        assert body.endswith(b"\r\n0\r\n\r\n")
+        reply = await rest_of(stream)
+        assert reply.complete  # the last chunk came
         assert await asyncio.to_thread(daemon.proc.wait, 30) == 0
 
 
@@ -146,21 +141,21 @@ async def test_idle_daemon_exits_at_once_on_sigterm():
 
 async def test_second_signal_exits_at_once():
     async with daemon_in_front(100000, 0.05, drain=120) as (daemon, decode):
-        stream = await Stream.open(daemon.port)
+        stream = await stream_in_flight(daemon.port)
         daemon.proc.send_signal(signal.SIGTERM)
         await eventually(lambda: refused(daemon.port), what="drain started")
         daemon.proc.send_signal(signal.SIGTERM)
         # Well before the 120 s drain or the hours-long stream could end.
         assert await asyncio.to_thread(daemon.proc.wait, 10) != 0
-        body = await stream.rest()
-        assert not body.endswith(b"\r\n0\r\n\r\n")  # cut, never completed
+        reply = await rest_of(stream)
+        assert not reply.complete  # cut, never completed
     assert "second signal" in daemon.output()
 
 
 async def test_drain_deadline_cuts_what_is_still_running_and_exits_0():
     async with daemon_in_front(100000, 0.05, drain=0.5) as (daemon, decode):
-        stream = await Stream.open(daemon.port)
+        stream = await stream_in_flight(daemon.port)
         daemon.proc.send_signal(signal.SIGTERM)
         assert await asyncio.to_thread(daemon.proc.wait, 15) == 0
-        body = await stream.rest()
-        assert b"data: " in body and not body.endswith(b"\r\n0\r\n\r\n")  # cut
+        reply = await rest_of(stream)
+        assert b"data: " in reply.body and not reply.complete  # cut

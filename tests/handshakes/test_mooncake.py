@@ -12,15 +12,21 @@ import asyncio
 import json
 import re
 
-from helpers import CHAT, Daemon, chat, config_for, pd_setup, request, running_proxy, wait_until
+from helpers import (
+    CHAT,
+    Daemon,
+    chat,
+    config_for,
+    legs,
+    pd_setup,
+    request,
+    running_proxy,
+    wait_until,
+)
 from lowproxy.demo import DemoBackend, KvRegistry, start_pair
 from lowproxy.handshakes import bootstrap
 
 XFER = re.compile(r"^xfer-[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}$")
-
-
-def legs(prefill, decode):
-    return prefill.requests_to("/chat/completions"), decode.requests_to("/chat/completions")
 
 
 async def test_both_legs_as_the_backends_receive_them():

@@ -15,13 +15,17 @@ import logging
 import openai
 import pytest
 
-from helpers import CHAT, ScriptedBackend, chat, config_for, pd_setup, running_proxy, wait_until
+from helpers import (
+    CHAT,
+    ScriptedBackend,
+    chat,
+    client_for,
+    config_for,
+    pd_setup,
+    running_proxy,
+    wait_until,
+)
 from lowproxy.downstream import AbortResponse
-
-
-def client_for(port: int) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                              max_retries=0, timeout=10)
 
 
 def warnings_for(caplog, request_id: str) -> list[str]:

@@ -5,12 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from helpers import config_for, free_port, pd_setup, running_proxy
-
-
-def client_for(port: int) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
-                              max_retries=0, timeout=10)
+from helpers import client_for, config_for, free_port, pd_setup, running_proxy
 
 
 async def test_chat_streaming():

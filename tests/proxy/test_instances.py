@@ -3,28 +3,24 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
-from helpers import CHAT, ScriptedBackend, chat, config_for, free_port, running_proxy, wait_until
+from helpers import (
+    CHAT,
+    ScriptedBackend,
+    chat,
+    config_for,
+    demo_backends,
+    free_port,
+    running_proxy,
+    wait_until,
+)
 from lowproxy.demo import DemoBackend, start_pair
 from lowproxy.proxy import admin
 
 ADMIN = [("x-admin-api-key", "adm")]
-
-
-@contextlib.asynccontextmanager
-async def backends(count: int, **knobs: Any) -> AsyncIterator[list[DemoBackend]]:
-    started: list[DemoBackend] = []
-    try:
-        for _ in range(count):
-            started.append(await DemoBackend("decode", **knobs).start(bootstrap_port=None))
-        yield started
-    finally:
-        for backend in started:
-            await backend.close()
 
 
 def generations(backend: DemoBackend) -> int:
@@ -42,7 +38,7 @@ async def listing(proxy: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize("body", [None, {}, {"instance": "anything"}])
 async def test_add_without_a_type_is_the_gco_answer(body):
-    async with backends(1) as [decode]:
+    async with demo_backends(1) as [decode]:
         async with running_proxy(config_for((), decode.url, admin_api_key="adm")) as proxy:
             reply = await proxy.request("POST", "/v1/instances/add", body, headers=ADMIN)
             assert reply.status == 200 and reply.json() == {"status": "ok"}
@@ -57,7 +53,7 @@ async def test_add_without_a_type_is_the_gco_answer(body):
                                           ("adm", [("authorization", "Bearer no")]),
                                           ("", [("x-admin-api-key", "")])])
 async def test_every_admin_path_needs_the_admin_key(method, path, key, headers):
-    async with backends(1) as [decode]:
+    async with demo_backends(1) as [decode]:
         async with running_proxy(config_for((), decode.url, admin_api_key=key)) as proxy:
             reply = await proxy.request(method, path, {"type": "decode",
                                                        "instance": decode.url}
@@ -70,7 +66,7 @@ async def test_every_admin_path_needs_the_admin_key(method, path, key, headers):
                                                    ("OPTIONS", "/instances/remove", b"POST"),
                                                    ("POST", "/instances", b"GET")])
 async def test_a_wrong_method_is_405_and_never_forwarded(method, path, allowed):
-    async with backends(1) as [decode]:
+    async with demo_backends(1) as [decode]:
         async with running_proxy(config_for((), decode.url, admin_api_key="adm")) as proxy:
             reply = await proxy.request(method, path, headers=ADMIN)
             assert reply.status == 405 and reply.header("allow") == allowed
@@ -81,7 +77,7 @@ async def test_a_wrong_method_is_405_and_never_forwarded(method, path, allowed):
 
 
 async def test_added_decode_takes_requests_and_is_listed_as_admin():
-    async with backends(2) as [static, added]:
+    async with demo_backends(2) as [static, added]:
         async with running_proxy(config_for((), static.url, admin_api_key="adm")) as proxy:
             reply = await proxy.request("POST", "/instances/add",
                                         {"type": "decode", "instance": f"127.0.0.1:{added.port}"},
@@ -119,7 +115,7 @@ async def test_added_prefill_with_bootstrap_port_is_used_for_prefill_legs():
 
 
 async def test_adding_one_already_present_is_ok_and_adds_nothing():
-    async with backends(1) as [decode]:
+    async with demo_backends(1) as [decode]:
         async with running_proxy(config_for((), decode.url, admin_api_key="adm")) as proxy:
             for instance in (decode.url, f"127.0.0.1:{decode.port}", decode.url + "/"):
                 reply = await proxy.request("POST", "/instances/add",
@@ -131,7 +127,7 @@ async def test_adding_one_already_present_is_ok_and_adds_nothing():
 
 
 async def test_the_check_carries_the_backend_key():
-    async with backends(1, api_key="backend-key") as [added]:
+    async with demo_backends(1, api_key="backend-key") as [added]:
         config = config_for((), (), admin_api_key="adm", backend_api_key="backend-key")
         async with running_proxy(config) as proxy:
             reply = await proxy.request("POST", "/instances/add",
@@ -144,7 +140,7 @@ async def test_the_check_carries_the_backend_key():
 
 
 async def test_an_instance_refusing_the_check_is_502_with_why():
-    async with backends(1, api_key="backend-key") as [added]:
+    async with demo_backends(1, api_key="backend-key") as [added]:
         async with running_proxy(config_for((), (), admin_api_key="adm")) as proxy:
             reply = await proxy.request("POST", "/instances/add",
                                         {"type": "decode", "instance": added.url},
@@ -216,7 +212,7 @@ async def test_a_bad_body_is_400_and_changes_nothing(body, path):
 
 
 async def test_remove_lets_requests_in_flight_finish_and_sends_no_new_ones():
-    async with backends(2, stream_chunks=30, chunk_delay=0.02) as [first, second]:
+    async with demo_backends(2, stream_chunks=30, chunk_delay=0.02) as [first, second]:
         config = config_for((), [first.url, second.url], admin_api_key="adm")
         async with running_proxy(config) as proxy:
             streaming = asyncio.create_task(proxy.request("POST", CHAT, chat(stream=True)))
@@ -248,7 +244,7 @@ async def test_remove_lets_requests_in_flight_finish_and_sends_no_new_ones():
 
 
 async def test_an_added_instance_can_be_removed_and_added_again():
-    async with backends(1) as [decode]:
+    async with demo_backends(1) as [decode]:
         async with running_proxy(config_for((), (), admin_api_key="adm")) as proxy:
             body = {"type": "decode", "instance": decode.url}
             assert (await proxy.request("POST", "/instances/add", body,
@@ -277,7 +273,7 @@ class Resolver:
 
 
 async def test_admin_added_endpoints_survive_dns_refreshes():
-    async with backends(2) as [discovered, added]:
+    async with demo_backends(2) as [discovered, added]:
         resolver = Resolver("127.0.0.1")
         config = config_for((), f"dns+http://decode.svc:{discovered.port}", admin_api_key="adm")
         async with running_proxy(config, resolver=resolver) as proxy:
@@ -304,7 +300,7 @@ async def test_admin_added_endpoints_survive_dns_refreshes():
 
 
 async def test_listing_shows_an_endpoint_cooling_down():
-    async with backends(1) as [live]:
+    async with demo_backends(1) as [live]:
         dead = f"http://127.0.0.1:{free_port()}"
         async with running_proxy(config_for((), [dead, live.url], admin_api_key="adm")) as proxy:
             for _ in range(2):  # one of them lands on the dead endpoint first

@@ -16,7 +16,7 @@ import h11
 import pytest
 import trustme
 
-from helpers import Daemon, free_port, request
+from helpers import Client, Daemon, free_port, request
 from lowproxy.demo import start_pair
 
 
@@ -31,30 +31,15 @@ def client_context(ca: trustme.CA, client: trustme.LeafCert | None = None) -> ss
 async def https_get(port: int, context: ssl.SSLContext, target: str = "/v1/models"
                     ) -> tuple[int, bytes, ssl.SSLObject]:
     """One GET over TLS; the status, the body and the TLS object (to see the peer's cert)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context,
-                                                   server_hostname="localhost")
+    client = await Client.open(port, ssl=context, server_hostname="localhost")
     try:
-        conn = h11.Connection(h11.CLIENT)
-        writer.write(conn.send(h11.Request(method="GET", target=target,
-                                           headers=[("host", "localhost"),
-                                                    ("connection", "close")])))
-        writer.write(conn.send(h11.EndOfMessage()))
-        status, body = 0, b""
-        while True:
-            event = conn.next_event()
-            if event is h11.NEED_DATA:
-                conn.receive_data(await reader.read(65536))
-            elif isinstance(event, h11.Response):
-                status = event.status_code
-            elif isinstance(event, h11.Data):
-                body += event.data
-            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-                break
-        return status, body, writer.get_extra_info("ssl_object")
+        client.send("GET", target, headers=[("connection", "close")], host="localhost")
+        reply = await client.reply()
+        return reply.status, reply.body, client.writer.get_extra_info("ssl_object")
     finally:
-        writer.close()
+        client.close()
         try:
-            await writer.wait_closed()
+            await client.writer.wait_closed()
         except (ConnectionError, ssl.SSLError):
             pass
 

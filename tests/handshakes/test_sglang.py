@@ -9,14 +9,10 @@ from __future__ import annotations
 import asyncio
 import json
 
-from helpers import CHAT, chat, config_for, pd_setup, running_proxy, wait_until
+from helpers import CHAT, chat, config_for, legs, pd_setup, running_proxy, wait_until
 from lowproxy.demo import DemoBackend, KvRegistry, start_pair
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
-
-
-def legs(prefill, decode):
-    return prefill.requests_to("/chat/completions"), decode.requests_to("/chat/completions")
 
 
 async def test_same_body_to_both_legs_plus_bootstrap_fields():

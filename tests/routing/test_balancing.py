@@ -11,21 +11,9 @@ import time
 import pytest
 import trustme
 
-from helpers import CHAT, chat, config_for, running_proxy, wait_until
+from helpers import CHAT, chat, config_for, demo_backends, running_proxy, wait_until
 from lowproxy.demo import DemoBackend, KvRegistry
 from lowproxy.routing import groups as backends
-
-
-@contextlib.asynccontextmanager
-async def demo_backends(count: int, role: str = "decode", **kw):
-    started = []
-    try:
-        for _ in range(count):
-            started.append(await DemoBackend(role, **kw).start(bootstrap_port=None))
-        yield started
-    finally:
-        for backend in started:
-            await backend.close()
 
 
 def served(backend: DemoBackend) -> int:

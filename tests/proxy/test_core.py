@@ -13,6 +13,7 @@ import h11
 import pytest
 
 from helpers import (
+    Client,
     ScriptedBackend,
     chat,
     config_for,
@@ -320,37 +321,6 @@ async def test_demo_stream_relayed_as_event_stream():
         assert reply.header("transfer-encoding") == b"chunked"
 
 
-class RawClient:
-    """One client connection driven event by event (h11), for streams and pipelining."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.conn = h11.Connection(h11.CLIENT)
-
-    @classmethod
-    async def open(cls, port: int) -> RawClient:
-        return cls(*await asyncio.open_connection("127.0.0.1", port))
-
-    def send_request(self, method: str, target: str, body: bytes = b"") -> None:
-        headers = [(b"host", b"x"), (b"content-type", b"application/json")]
-        if body:
-            headers.append((b"content-length", str(len(body)).encode()))
-        data = self.conn.send(h11.Request(method=method, target=target, headers=headers))
-        data += self.conn.send(h11.Data(data=body)) if body else b""
-        data += self.conn.send(h11.EndOfMessage())
-        self.writer.write(data)
-
-    async def next_event(self, timeout: float = 5.0):
-        while True:
-            event = self.conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
-            self.conn.receive_data(await asyncio.wait_for(self.reader.read(65536), timeout))
-
-    def close(self) -> None:
-        self.writer.close()
-
-
 async def test_decode_body_relayed_chunk_by_chunk():
     release = asyncio.Event()
 
@@ -364,9 +334,8 @@ async def test_decode_body_relayed_chunk_by_chunk():
     backend, proxy_cm = await scripted_proxy(answer)
     try:
         async with proxy_cm as proxy:
-            client = await RawClient.open(proxy.port)
-            client.send_request("POST", "/v1/completions",
-                                json.dumps({"prompt": "x", "stream": True}).encode())
+            client = await Client.open(proxy.port)
+            client.send("POST", "/v1/completions", {"prompt": "x", "stream": True})
             assert isinstance(await client.next_event(), h11.Response)
             # The first chunk arrives while decode is still holding back the second.
             first = await client.next_event()
@@ -396,9 +365,8 @@ async def test_decode_breaking_off_mid_stream_cuts_the_client_response():
 async def test_client_leaving_mid_stream_releases_decode_at_once():
     async with pd_setup() as (proxy, prefill, decode):
         decode.stream_chunks, decode.chunk_delay = 100000, 0.02  # ~30 minutes of tokens
-        client = await RawClient.open(proxy.port)
-        client.send_request("POST", "/v1/chat/completions",
-                            json.dumps(chat(stream=True)).encode())
+        client = await Client.open(proxy.port)
+        client.send("POST", "/v1/chat/completions", chat(stream=True))
         assert isinstance(await client.next_event(), h11.Response)
         assert isinstance(await client.next_event(), h11.Data)
         assert decode.open_streams == 1
@@ -421,9 +389,8 @@ async def test_client_leaving_before_the_first_byte_releases_decode():
     prefill = await DemoBackend("prefill").start(bootstrap_port=None)
     try:
         async with running_proxy(config_for(prefill.url, backend.url())) as proxy:
-            client = await RawClient.open(proxy.port)
-            client.send_request("POST", "/v1/chat/completions",
-                                json.dumps(chat(stream=True)).encode())
+            client = await Client.open(proxy.port)
+            client.send("POST", "/v1/chat/completions", chat(stream=True))
             await asyncio.wait_for(started.wait(), 5)
             client.close()
             deadline = asyncio.get_running_loop().time() + 5
@@ -467,15 +434,16 @@ async def test_pipelined_requests_are_answered_in_order():
             raw = json.dumps(body).encode() if body is not None else b""
             wire += (f"{method} {target} HTTP/1.1\r\nhost: x\r\n"
                      f"content-length: {len(raw)}\r\n\r\n").encode() + raw
-        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-        writer.write(wire)  # all four before any answer
-        replies, leftover = [], b""
+        client = await Client.open(proxy.port)
+        client.writer.write(wire)  # all four before any answer
+        replies = []
         try:
             for method, _ in requests:
-                status, body, leftover = await read_response(reader, method, leftover)
-                replies.append((status, body))
+                client.sent_raw(method)
+                reply = await client.reply(5)
+                replies.append((reply.status, reply.body))
         finally:
-            writer.close()
+            client.close()
         assert [status for status, _ in replies] == [200, 200, 200, 200]
         assert replies[0][1].endswith(b"data: [DONE]\n\n")
         assert json.loads(replies[1][1])["object"] == "list"
@@ -493,45 +461,24 @@ async def test_chunked_request_body_is_read_whole():
             wire += b"%x\r\n%s\r\n" % (len(piece), piece)
         wire += b"0\r\n\r\n"
         wire += b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n"  # pipelined behind it
-        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        client = await Client.open(proxy.port)
         try:
             for i in range(0, len(wire), 13):  # dribbled in small writes
-                writer.write(wire[i:i + 13])
-                await writer.drain()
-            status, body, leftover = await read_response(reader, "POST")
-            health = await read_response(reader, "GET", leftover)
+                client.writer.write(wire[i:i + 13])
+                await client.writer.drain()
+            client.sent_raw("POST")
+            answer = await client.reply(5)
+            status, body = answer.status, answer.body
+            client.sent_raw("GET")
+            health = await client.reply(5)
         finally:
-            writer.close()
+            client.close()
         [dc] = decode.received
         dc.body.pop("kv_transfer_params")
         assert dc.body == chat(max_tokens=2, stop=["x"] * 50)
         assert prefill.received[0].body["max_tokens"] == 1
         assert status == 200 and json.loads(body)["object"] == "chat.completion"
-        assert health[:2] == (200, b'{"status":"ok"}')
-
-
-async def read_response(reader: asyncio.StreamReader, method: str, leftover: bytes = b""
-                        ) -> tuple[int, bytes, bytes]:
-    """One response off a connection carrying several: status, body, bytes after it."""
-    conn = h11.Connection(h11.CLIENT)
-    conn.send(h11.Request(method=method, target="/", headers=[(b"host", b"x"),
-                                                             (b"content-length", b"0")]))
-    conn.send(h11.EndOfMessage())
-    if leftover:  # (b"" would tell h11 the connection closed)
-        conn.receive_data(leftover)
-    status, parts = 0, []
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            conn.receive_data(await asyncio.wait_for(reader.read(65536), 5))
-        elif isinstance(event, h11.Response):
-            status = event.status_code
-        elif isinstance(event, h11.Data):
-            parts.append(bytes(event.data))
-        elif isinstance(event, h11.EndOfMessage):
-            return status, b"".join(parts), conn.trailing_data[0]
-        else:
-            raise AssertionError(f"unexpected {event!r}")
+        assert (health.status, health.body) == (200, b'{"status":"ok"}')
 
 
 # -- pure: routing

@@ -14,14 +14,11 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from soak import generated_twice, summarise
+from soak_backends import SO_TIMESTAMPNS, FaultGate, FaultyBackend, GateLink, stray
+from soak_client import FAULTS, WIRE_FAULTS, Reply, Soak, chat_body
 
-from helpers import ROOT, wait_until
-
-sys.path.insert(0, os.path.join(ROOT, "bench"))
-
-from soak import generated_twice, summarise  # noqa: E402
-from soak_backends import SO_TIMESTAMPNS, FaultGate, FaultyBackend, GateLink, stray  # noqa: E402
-from soak_client import FAULTS, WIRE_FAULTS, Reply, Soak, chat_body  # noqa: E402
+from helpers import ROOT, Client, first_reply, wait_until
 
 
 def test_soak_for_five_seconds(tmp_path):
@@ -71,29 +68,13 @@ async def read_until(reader: asyncio.StreamReader, seen: bytes, wanted: bytes) -
     return seen
 
 
-async def read_response(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
-    """(head, body) of one content-length framed response, read whole."""
-    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
-    return head, await asyncio.wait_for(reader.readexactly(length), 5)
-
-
-def split_response(data: bytes) -> tuple[bytes, bytes, bytes]:
-    """(head, body, rest) of one content-length framed response at the start of data."""
-    head, _, after = data.partition(b"\r\n\r\n")
-    length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
-                  if line.lower().startswith(b"content-length:"))
-    return head, after[:length], after[length:]
-
-
 async def test_gate_writes_a_stray_response_in_the_same_write(gate: FaultGate) -> None:
     reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
     writer.write(post("decode_stray_same", "a1"))
     data = await read_until(reader, b"", stray("same", "a1"))
-    head, body, rest = split_response(data)
-    assert head.startswith(b"HTTP/1.1 200 ") and b"\r\nx-soak-id: a1" in head
-    assert json.loads(body)["choices"]
+    answer, rest = first_reply(data)
+    assert answer.status == 200 and answer.header("x-soak-id") == b"a1"
+    assert json.loads(answer.body)["choices"]
     assert rest == stray("same", "a1")  # a whole second response, right after the real one
     # The connection stays open, as a pooled one would: the next request is served.
     writer.write(post("", "a2"))
@@ -135,16 +116,16 @@ async def test_gate_swallows_the_request_that_crossed_a_stray(gate: FaultGate,
     proxy takes the stray for that request's answer, so the gate leaves it
     unanswered and the next answer is still the next request's own."""
     monkeypatch.setattr(GateLink, "_crossed", lambda self, leaving: True)
-    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
-    writer.write(post("decode_stray_later", "h1"))
-    head, _ = await read_response(reader)
-    assert b"x-soak-id: h1" in head
-    head, _ = await read_response(reader)
-    assert b"x-soak-id: stray-later-h1" in head
-    writer.write(post("", "h2") + post("", "h3"))  # h2 crossed the stray, h3 is next
-    head, _ = await read_response(reader)
-    writer.close()
-    assert b"x-soak-id: h3" in head
+    client = await Client.open(gate.port)
+    client.writer.write(post("decode_stray_later", "h1"))
+    for expected in (b"h1", b"stray-later-h1"):
+        client.sent_raw("POST")
+        assert (await client.reply(5)).header("x-soak-id") == expected
+    client.writer.write(post("", "h2") + post("", "h3"))  # h2 crossed the stray, h3 is next
+    client.sent_raw("POST")
+    answer = await client.reply(5)
+    client.close()
+    assert answer.header("x-soak-id") == b"h3"
     assert gate.strays == {"crossed": 1} and gate.crossed == {"stray-later-h1"}
     assert gate.received == {"h1": 1, "h2": 1, "h3": 1}
 
@@ -238,11 +219,13 @@ async def test_the_soak_fails_a_proxy_that_sends_a_post_twice(gate: FaultGate) -
     writer.write(post("decode_hangs_up", "g1"))
     assert await asyncio.wait_for(reader.read(), 5) == b""  # hung up: the proxy retries
     writer.close()
-    reader, writer = await asyncio.open_connection("127.0.0.1", gate.port)
-    writer.write(post("decode_hangs_up", "g1"))
-    head, body = await read_response(reader)
-    writer.close()
-    assert head.startswith(b"HTTP/1.1 200 ")  # generated: the second time it was served
+    client = await Client.open(gate.port)
+    client.writer.write(post("decode_hangs_up", "g1"))
+    client.sent_raw("POST")
+    answer = await client.reply(5)
+    client.close()
+    body = answer.body
+    assert (answer.http_version, answer.status) == (b"1.1", 200)  # generated: served again
     soak = Soak(type("Args", (), {"faults": list(WIRE_FAULTS), "fault_rate": 1.0})(), 0)
     soak.judge("decode_hangs_up", Reply(200, body, True, [(b"x-soak-id", b"g1")]), "g1", False)
     prefill = type("Prefill", (), {"received_ids": {}, "fault_of": {}})()

@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 import re
 
+from helpers import ROOT
 from lowproxy.config import SETTINGS
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _read(*parts: str) -> str:

@@ -7,7 +7,6 @@ import signal
 import socket
 
 import pytest
-import trustme
 
 from helpers import Daemon, free_port, request
 
@@ -65,11 +64,6 @@ def test_metrics_port_equal_to_the_port():
 def test_a_backend_url_that_would_be_misread(url, reason):
     line = refused({"PD_PROXY_DECODE_URL": url})
     assert "PD_PROXY_DECODE_URL" in line and reason in line
-
-
-@pytest.fixture
-def ca() -> trustme.CA:
-    return trustme.CA()
 
 
 @pytest.mark.parametrize("which", ["missing", "garbage"])

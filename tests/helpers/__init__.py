@@ -1,4 +1,5 @@
-"""Test plumbing: an HTTP client over raw sockets, an in-process proxy, a daemon process.
+"""Test plumbing: the HTTP client (client.py), scripted and raw backends, an in-process
+proxy, a daemon process.
 
 Everything talks over 127.0.0.1 sockets; nothing is mocked below HTTP.
 """
@@ -7,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import os
 import re
@@ -18,98 +18,22 @@ import threading
 import time
 from typing import Any, AsyncIterator, Iterable
 
-import h11
-
 from lowproxy.config import Config, parse_endpoint
 from lowproxy.daemon import limits_of
 from lowproxy.demo import DemoBackend, start_pair
 from lowproxy.downstream import HttpServer
 from lowproxy.proxy import Proxy
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from .client import Client, Reply, exchange, first_reply, parse_replies, request
+
+__all__ = ["CHAT", "ROOT", "Client", "Daemon", "RawServer", "Reply", "RunningProxy",
+           "ScriptedBackend", "chat", "client_for", "config_for", "demo_backends", "eventually",
+           "exchange", "first_reply", "follow_output", "free_port", "legs", "parse_replies",
+           "pd_setup", "raw_exchange",
+           "read_request", "request", "running_proxy", "wait_until"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHAT = "/v1/chat/completions"  # the path most tests send to
-
-
-@dataclasses.dataclass
-class Reply:
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    body: bytes
-    complete: bool = True  # False: the connection ended before the body did
-
-    def header(self, name: str) -> bytes | None:
-        key = name.lower().encode()
-        for header, value in self.headers:
-            if header.lower() == key:
-                return value
-        return None
-
-    def header_values(self, name: str) -> list[bytes]:
-        key = name.lower().encode()
-        return [value for header, value in self.headers if header.lower() == key]
-
-    def json(self) -> Any:
-        return json.loads(self.body)
-
-
-async def request(port: int, method: str, target: str, body: Any = None, *,
-                  headers: Iterable[tuple[str | bytes, str | bytes]] = (),
-                  raw_body: bytes | None = None, timeout: float = 10.0) -> Reply:
-    """One request on a fresh connection, read to the end (or to the connection's end)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        return await asyncio.wait_for(
-            exchange(reader, writer, method, target, body, headers=headers, raw_body=raw_body),
-            timeout)
-    finally:
-        writer.close()
-
-
-async def exchange(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, method: str,
-                   target: str, body: Any = None, *,
-                   headers: Iterable[tuple[str | bytes, str | bytes]] = (),
-                   raw_body: bytes | None = None) -> Reply:
-    conn = h11.Connection(h11.CLIENT)
-    if raw_body is None and body is not None:
-        raw_body = json.dumps(body).encode()
-    wire = [(b"host", b"127.0.0.1")]
-    wire += [(_b(k), _b(v)) for k, v in headers]
-    if raw_body is not None:
-        wire.append((b"content-length", str(len(raw_body)).encode()))
-        if not any(k.lower() == b"content-type" for k, _ in wire):
-            wire.append((b"content-type", b"application/json"))
-    data = conn.send(h11.Request(method=method, target=target, headers=wire))
-    if raw_body:
-        data += conn.send(h11.Data(data=raw_body))
-    data += conn.send(h11.EndOfMessage())
-    writer.write(data)
-    await writer.drain()
-    status, reply_headers, parts, complete = 0, [], [], False
-    while True:
-        event = conn.next_event()
-        if event is h11.NEED_DATA:
-            chunk = await reader.read(65536)
-            try:
-                conn.receive_data(chunk)
-            except h11.RemoteProtocolError:
-                break
-            if not chunk and conn.their_state is h11.SEND_BODY:
-                break
-            continue
-        if isinstance(event, h11.Response):
-            status, reply_headers = event.status_code, list(event.headers.raw_items())
-        elif isinstance(event, h11.Data):
-            parts.append(bytes(event.data))
-        elif isinstance(event, h11.EndOfMessage):
-            complete = True
-            break
-        elif isinstance(event, h11.ConnectionClosed):
-            break
-    return Reply(status, reply_headers, b"".join(parts), complete)
-
-
-def _b(value: str | bytes) -> bytes:
-    return value if isinstance(value, bytes) else value.encode()
 
 
 def chat(**extra: Any) -> dict[str, Any]:
@@ -172,6 +96,34 @@ async def pd_setup(kv_protocol: str = "relay", ranks: int = 1, **overrides: Any
     finally:
         await prefill.close()
         await decode.close()
+
+
+@contextlib.asynccontextmanager
+async def demo_backends(count: int, role: str = "decode", **knobs: Any
+                        ) -> AsyncIterator[list[DemoBackend]]:
+    """``count`` demo backends of one role (no bootstrap server), closed after."""
+    started: list[DemoBackend] = []
+    try:
+        for _ in range(count):
+            started.append(await DemoBackend(role, **knobs).start(bootstrap_port=None))
+        yield started
+    finally:
+        for backend in started:
+            await backend.close()
+
+
+def legs(prefill: DemoBackend, decode: DemoBackend, path: str = "/chat/completions"
+         ) -> tuple[list[Any], list[Any]]:
+    """The prefill and decode legs as the two backends received them."""
+    return prefill.requests_to(path), decode.requests_to(path)
+
+
+def client_for(port: int) -> Any:
+    """The openai SDK in front of a proxy on ``port`` (no retries: a failure shows)."""
+    import openai
+
+    return openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x",
+                              max_retries=0, timeout=10)
 
 
 def free_port() -> int:
@@ -399,47 +351,6 @@ async def _read_to_close(reader: asyncio.StreamReader, chunks: list[bytes]) -> N
         if not chunk:
             return
         chunks.append(chunk)
-
-
-def parse_replies(raw: bytes, head_only: bool = False) -> list[Reply]:
-    """The responses in ``raw`` (bytes a server sent on one connection), in order.
-
-    A response cut short is returned with ``complete`` False; bytes that are not
-    HTTP end the list with a Reply of status 0.
-    """
-    replies: list[Reply] = []
-    rest = raw
-    while rest:
-        conn = h11.Connection(h11.CLIENT)
-        conn.send(h11.Request(method="HEAD" if head_only else "GET", target="/",
-                              headers=[("host", "x")]))
-        conn.send(h11.EndOfMessage())
-        conn.receive_data(rest)
-        conn.receive_data(b"")
-        reply = Reply(0, [], b"", False)
-        parts: list[bytes] = []
-        try:
-            while True:
-                event = conn.next_event()
-                if isinstance(event, h11.InformationalResponse):
-                    continue
-                if isinstance(event, h11.Response):
-                    reply.status, reply.headers = event.status_code, list(event.headers.raw_items())
-                elif isinstance(event, h11.Data):
-                    parts.append(bytes(event.data))
-                elif isinstance(event, h11.EndOfMessage):
-                    reply.complete = True
-                    break
-                else:
-                    break
-        except h11.RemoteProtocolError:
-            pass
-        reply.body = b"".join(parts)
-        replies.append(reply)
-        if not reply.complete:
-            break
-        rest = conn.trailing_data[0]
-    return replies
 
 
 def follow_output(daemon: Daemon) -> threading.Thread:
