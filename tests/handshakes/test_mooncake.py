@@ -21,6 +21,7 @@ from helpers import (
     pd_setup,
     request,
     running_proxy,
+    tagged_chats,
     wait_until,
 )
 from lowproxy.demo import DemoBackend, KvRegistry, start_pair
@@ -95,10 +96,7 @@ async def test_bootstrap_port_from_the_global_setting_when_the_url_has_none():
 
 async def test_transfer_ids_are_unique_and_shared_by_the_two_legs_of_a_request():
     async with pd_setup("mooncake") as (proxy, prefill, decode):
-        replies = await asyncio.gather(*(
-            proxy.request("POST", CHAT, chat(), headers=[("x-request-id", f"r{i}")])
-            for i in range(8)))
-        assert [r.status for r in replies] == [200] * 8
+        await tagged_chats(proxy, 8)
         pfs, dcs = legs(prefill, decode)
         by_id = {p.header("x-request-id"): p.body["kv_transfer_params"]["transfer_id"]
                  for p in pfs}

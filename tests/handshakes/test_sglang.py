@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from helpers import CHAT, chat, config_for, legs, pd_setup, running_proxy, wait_until
+from helpers import CHAT, chat, config_for, legs, pd_setup, running_proxy, tagged_chats, wait_until
 from lowproxy.demo import DemoBackend, KvRegistry, start_pair
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -65,10 +65,7 @@ async def test_bootstrap_port_setting_and_per_endpoint_override():
 
 async def test_rooms_differ_between_requests_and_match_within_one():
     async with pd_setup("sglang") as (proxy, prefill, decode):
-        replies = await asyncio.gather(*(
-            proxy.request("POST", CHAT, chat(), headers=[("x-request-id", f"r{i}")])
-            for i in range(8)))
-        assert [r.status for r in replies] == [200] * 8
+        await tagged_chats(proxy, 8)
         pfs, dcs = legs(prefill, decode)
         room_of = {p.header("x-request-id"): p.body["bootstrap_room"] for p in pfs}
         assert len(set(room_of.values())) == 8

@@ -29,7 +29,7 @@ from .client import Client, Reply, exchange, first_reply, parse_replies, request
 __all__ = ["CHAT", "ROOT", "Client", "Daemon", "RawServer", "Reply", "RunningProxy",
            "ScriptedBackend", "chat", "client_for", "config_for", "demo_backends", "eventually",
            "exchange", "first_reply", "follow_output", "free_port", "legs", "parse_replies",
-           "pd_setup", "raw_exchange",
+           "pd_setup", "raw_exchange", "tagged_chats",
            "read_request", "request", "running_proxy", "wait_until"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -116,6 +116,15 @@ def legs(prefill: DemoBackend, decode: DemoBackend, path: str = "/chat/completio
          ) -> tuple[list[Any], list[Any]]:
     """The prefill and decode legs as the two backends received them."""
     return prefill.requests_to(path), decode.requests_to(path)
+
+
+async def tagged_chats(proxy: RunningProxy, count: int) -> list[Reply]:
+    """``count`` chat requests at once, each with its own x-request-id r0, r1, ...; all 200."""
+    replies = await asyncio.gather(*(
+        proxy.request("POST", CHAT, chat(), headers=[("x-request-id", f"r{i}")])
+        for i in range(count)))
+    assert [r.status for r in replies] == [200] * count
+    return replies
 
 
 def client_for(port: int) -> Any:

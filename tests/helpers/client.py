@@ -47,6 +47,21 @@ def _b(value: str | bytes) -> bytes:
     return value if isinstance(value, bytes) else value.encode()
 
 
+def _took(event: Any, reply: Reply, parts: list[bytes]) -> bool:
+    """Fold one h11 event into ``reply``; True once the response has ended."""
+    if isinstance(event, h11.Response):
+        reply.status, reply.headers = event.status_code, list(event.headers.raw_items())
+        reply.http_version = event.http_version
+    elif isinstance(event, h11.Data):
+        parts.append(bytes(event.data))
+    elif isinstance(event, h11.EndOfMessage):
+        reply.complete = True
+        return True
+    elif isinstance(event, h11.ConnectionClosed):
+        return True
+    return False  # an informational response, or nothing yet
+
+
 class Client:
     """One client connection driven by h11 (see the module's docstring)."""
 
@@ -125,13 +140,7 @@ class Client:
                     if data or self.conn.their_state is not h11.SEND_BODY:
                         continue
                     event = h11.ConnectionClosed()  # closed mid-body: cut
-            if isinstance(event, h11.Response):
-                reply.status, reply.headers = event.status_code, list(event.headers.raw_items())
-                reply.http_version = event.http_version
-            elif isinstance(event, h11.Data):
-                parts.append(bytes(event.data))
-            elif isinstance(event, (h11.EndOfMessage, h11.ConnectionClosed)):
-                reply.complete = isinstance(event, h11.EndOfMessage)
+            if _took(event, reply, parts):
                 self._reply = None  # the next read is of the next response
                 break
         reply.body = b"".join(parts)
@@ -187,17 +196,7 @@ def first_reply(raw: bytes, head_only: bool = False) -> tuple[Reply, bytes]:
     try:
         while True:
             event = conn.next_event()
-            if isinstance(event, h11.InformationalResponse):
-                continue
-            if isinstance(event, h11.Response):
-                reply.status, reply.headers = event.status_code, list(event.headers.raw_items())
-                reply.http_version = event.http_version
-            elif isinstance(event, h11.Data):
-                parts.append(bytes(event.data))
-            elif isinstance(event, h11.EndOfMessage):
-                reply.complete = True
-                break
-            else:
+            if event is h11.NEED_DATA or event is h11.PAUSED or _took(event, reply, parts):
                 break
     except h11.RemoteProtocolError:
         pass

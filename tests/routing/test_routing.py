@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from typing import Any, AsyncIterator
 import pytest
 
 from helpers import (
+    Client,
     Daemon,
     ScriptedBackend,
     config_for,
@@ -361,25 +361,15 @@ async def test_the_prefill_load_is_released_once_when_the_prefill_leg_ends_mid_s
     try:
         async with running_proxy(config_for(url, decode.url(), kv_protocol=kv_protocol,
                                             prefill_policy="least-loaded")) as running:
-            reader, writer = await asyncio.open_connection("127.0.0.1", running.port)
-            body = json.dumps(conversation(1) | {"stream": True}).encode()
-            writer.write(b"POST " + CHAT.encode() + b" HTTP/1.1\r\nhost: x\r\n"
-                         b"content-type: application/json\r\ncontent-length: "
-                         + str(len(body)).encode() + b"\r\n\r\n" + body)
-            seen = b""
-            while b"data: {" not in seen:
-                piece = await reader.read(65536)
-                assert piece, seen
-                seen += piece
-            assert b"[DONE]" not in seen  # decode is still streaming
+            client = await Client.open(running.port)
+            client.send("POST", CHAT, conversation(1) | {"stream": True})
+            so_far = await client.read_until(b"data: {")
+            assert not so_far.complete  # decode is still streaming
             assert running.proxy.prefill_choice.outstanding == {}
             assert len(releases) == 1 and releases[0] > 1  # the prompt's bytes, once
             more.set()
-            while b"0\r\n\r\n" not in seen:
-                piece = await reader.read(65536)
-                assert piece, seen
-                seen += piece
-            writer.close()
+            assert (await client.reply()).body.endswith(b"data: [DONE]\n\n")
+            client.close()
             requests = running.proxy.metrics.requests
             await wait_until(lambda: requests.get("generation", "200") == 1, 5, "request end")
             assert len(releases) == 1  # not again when the request ended
