@@ -369,7 +369,7 @@ class GateLink:
         written by a proxy that had long had the stray in its own socket: one that
         reads it as their answer never dropped the idle connection, and is not
         excused. (A proxy that looks only at what its event loop has delivered
-        reuses it within the grace: tests/test_soak_findings.py catches that.) A
+        reuses it within the grace: tests/upstream/test_soak_findings.py catches that.) A
         FIN or a reset is the proxy dropping the connection, as it should."""
         sock = self.writer.get_extra_info("socket")
         if sock is None:

@@ -107,7 +107,7 @@ async def test_decode_404_passes_through():
         assert reply.status == 404 and reply.json() == {"detail": "Not Found"}
 
 
-# /v1/responses is a generation surface since issue 14 (tests/test_surfaces.py).
+# /v1/responses is a generation surface since issue 14 (tests/handshakes/test_surfaces.py).
 @pytest.mark.parametrize("target", ["/v1/tokenize?add_special_tokens=true&x=%20",
                                     "/v1/completions/extra", "/v1/responses/resp_1/cancel",
                                     "/v1/embeddings?encoding=float", "/v1/rerank",
