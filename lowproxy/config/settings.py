@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from ..keys import read_keys
+from .flags import Setting, UsageError, flag_text
+from .flags import build_parser as _build_parser
 from .values import (
     EndpointSpec,
     allow_list,
@@ -31,14 +33,24 @@ from .values import (
     status_value,
     stripped,
     text_value,
+    words,
 )
 
 __all__ = ["SETTINGS", "Config", "ConfigError", "EndpointSpec", "Setting", "build_parser",
-           "load_config", "parse_endpoint", "parse_port", "split_host_port"]
+           "load_config", "parse_endpoint", "parse_port", "setting_name", "split_host_port"]
 
 
 class ConfigError(ValueError):
-    """A setting that cannot be used; the message names the setting."""
+    """A setting that cannot be used; the message names the setting.
+
+    ``setting`` is the variable or flag named, when one is; ``usage`` marks a
+    command line argparse could not read (the daemon adds a short usage line).
+    """
+
+    def __init__(self, message: str, setting: str = "", usage: bool = False) -> None:
+        super().__init__(message)
+        self.setting = setting
+        self.usage = usage
 
 
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
@@ -55,20 +67,20 @@ def _ratio(text: str) -> float:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    """Seconds > 0 (an asyncio handshake bound cannot be 0)."""
+    value = seconds_value(text)
+    if not value > 0:
+        raise ValueError(f"{text!r} must be more than 0 seconds")
+    return value
+
+
+_ratio.metavar = "RATIO"  # type: ignore[attr-defined]
+
+
 def _key_list(text: str) -> tuple[str, ...]:
     """Comma-separated keys (lowproxy/keys.py); never echoed in an error."""
     return tuple(item.strip() for item in text.split(",") if item.strip())
-
-
-@dataclass(frozen=True)
-class Setting:
-    field: str
-    env: str
-    flag: str
-    parse: Callable[[str], Any]
-    default: str
-    help: str
-    repeatable: bool = False  # the flag may be given several times (joined by commas)
 
 
 SETTINGS: tuple[Setting, ...] = (
@@ -260,12 +272,19 @@ SETTINGS: tuple[Setting, ...] = (
         "30", "a request's head must arrive within this many seconds (408)",
     ),
     Setting(
+        "tls_handshake_timeout", "PD_PROXY_TLS_HANDSHAKE_TIMEOUT_SECONDS",
+        "--tls-handshake-timeout", _positive_seconds, "10",
+        "a client's TLS handshake must end within this many seconds of its accept (the "
+        "connection counts toward PD_PROXY_MAX_CONNECTIONS meanwhile)",
+    ),
+    Setting(
         "keepalive_timeout", "PD_PROXY_KEEPALIVE_SECONDS", "--keepalive", seconds_value, "75",
         "idle client keep-alive connections are closed after this many seconds",
     ),
     Setting(
         "max_connections", "PD_PROXY_MAX_CONNECTIONS", "--max-connections",
-        int_in(1, 10**7), "10000", "open client connections beyond this get 503",
+        int_in(1, 10**7), "10000", "open client connections (counted from accept, TLS "
+        "handshakes included) beyond this get 503, or are closed at once on the HTTPS port",
     ),
     Setting(
         "drain_seconds", "PD_PROXY_DRAIN_SECONDS", "--drain", seconds_value, "25",
@@ -286,6 +305,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("workers", "PD_PROXY_WORKERS", "--workers", int_in(1, 256), "1",
             "worker processes serving the port (bound once by the parent; a worker that "
             "dies is restarted)"),
+    Setting("demo_args", "PD_PROXY_DEMO_ARGS", "--demo-args", words, "",
+            "with --demo: the demo backends' own options, as python -m lowproxy.demo takes "
+            "them (such as '--enable-scale-out --eos-first 0.05')"),
     # -- client-side TLS (issue 13)
     Setting("tls_cert_file", "PD_PROXY_TLS_CERT_FILE", "--tls-cert-file", stripped, "",
             "certificate chain (PEM) to serve HTTPS on the main port with; re-read when "
@@ -342,6 +364,7 @@ class Config:
     max_header_bytes: int = 64 * 1024
     max_body_bytes: int = 32 * 1024 * 1024
     header_timeout: float = 30.0
+    tls_handshake_timeout: float = 10.0
     keepalive_timeout: float = 75.0
     max_connections: int = 10000
     drain_seconds: float = 25.0
@@ -350,6 +373,7 @@ class Config:
     otel: bool = False
     loop: str = "auto"
     workers: int = 1
+    demo_args: tuple[str, ...] = ()
     # -- client-side TLS (issue 13)
     tls_cert_file: str = ""
     tls_key_file: str = ""
@@ -360,44 +384,31 @@ class Config:
         shown = dataclasses.replace(
             self, admin_api_key="***" if self.admin_api_key else "",
             backend_api_key="***" if self.backend_api_key else "",
-            client_api_keys=("***",) if self.client_api_keys else ())
+            client_api_keys=("***",) if self.client_api_keys else (),
+            # the demo backends' --api-key may be among their options
+            demo_args=("***",) if any("api-key" in arg for arg in self.demo_args)
+            else self.demo_args)
         fields = ", ".join(f"{f.name}={getattr(shown, f.name)!r}" for f in dataclasses.fields(self))
         return f"Config({fields})"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="lowproxy",
-        description="Prefill/decode proxy for disaggregated LLM serving. Every flag "
-        "also reads the environment variable shown; a flag wins over its variable.",
-    )
-    for setting in SETTINGS:
-        parser.add_argument(
-            setting.flag,
-            dest=setting.field,
-            action="append" if setting.repeatable else "store",
-            metavar=setting.env,
-            help=f"{setting.help} (env {setting.env}, default {setting.default!r})",
-        )
-    parser.add_argument("--demo", action="store_true",
-                        help="start embedded emulated vLLM prefill and decode backends "
-                        "and proxy to them")
-    parser.add_argument("--version", action="store_true",
-                        help="print the version and bundled dependency versions")
-    return parser
+    return _build_parser(SETTINGS)
 
 
 def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None,
                 ) -> tuple[Config, argparse.Namespace]:
     """Build the Config from the environment and argv (flags win). Raise ConfigError."""
     environ = os.environ if environ is None else environ
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except UsageError as exc:
+        raise ConfigError(str(exc), usage=True) from None
     values: dict[str, Any] = {}
     for setting in SETTINGS:
         flagged = getattr(args, setting.field)
         if flagged is not None:
-            source = setting.flag
-            text = ",".join(flagged) if setting.repeatable else flagged
+            source, text = setting.flag, flag_text(setting, flagged)
         elif setting.env in environ:
             source, text = setting.env, environ[setting.env]
         else:
@@ -405,10 +416,22 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         try:
             values[setting.field] = setting.parse(text)
         except ValueError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
+            raise ConfigError(f"{source}: {exc}", source) from None
     values["demo"] = bool(args.demo)
     _check_keys(values)
     return Config(**values), args
+
+
+def setting_name(args: argparse.Namespace | None = None) -> Callable[[str], str]:
+    """How a start error names a setting (by field): its flag when the flag was given
+    on the command line (``args``), else its variable."""
+    by_field = {setting.field: setting for setting in SETTINGS}
+
+    def name(field: str) -> str:
+        setting = by_field[field]
+        return setting.flag if getattr(args, field, None) is not None else setting.env
+
+    return name
 
 
 def _check_keys(values: dict[str, Any]) -> None:
@@ -421,10 +444,11 @@ def _check_keys(values: dict[str, Any]) -> None:
     for first, second in pairs:
         if values[first] and values[second]:
             a, b = named[first], named[second]
-            raise ConfigError(f"{a.env} ({a.flag}) and {b.env} ({b.flag}) cannot both be set")
+            raise ConfigError(f"{a.env} ({a.flag}) and {b.env} ({b.flag}) cannot both be set",
+                              a.env)
     for field, many in (("backend_api_key_file", False), ("client_api_keys_file", True)):
         if values[field]:
             try:
                 read_keys(values[field], many)
             except ValueError as exc:
-                raise ConfigError(f"{named[field].env}: {exc}") from None
+                raise ConfigError(f"{named[field].env}: {exc}", named[field].env) from None

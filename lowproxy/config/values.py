@@ -9,6 +9,7 @@ prefill targets all go through it, so they agree on what a port is.
 from __future__ import annotations
 
 import ipaddress
+import shlex
 from dataclasses import dataclass
 from typing import Callable
 
@@ -103,6 +104,7 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
             raise ValueError(f"{value} is outside {low}..{high}")
         return value
 
+    parse.metavar = "N"  # type: ignore[attr-defined]  # shown in --help (config_flags)
     return parse
 
 
@@ -140,6 +142,7 @@ def choice(*choices: str) -> Callable[[str], str]:
             raise ValueError(f"{text!r} is not one of {', '.join(choices)}")
         return value
 
+    parse.metavar = "{" + ",".join(choices) + "}"  # type: ignore[attr-defined]
     return parse
 
 
@@ -164,6 +167,17 @@ def allow_list(text: str) -> tuple[str, ...]:
         else:  # a bad host:port must stop the start, not the first request
             split_host_port(entry)
     return entries
+
+
+allow_list.metavar = "TARGETS"  # type: ignore[attr-defined]
+
+
+def words(text: str) -> tuple[str, ...]:
+    """Options as a shell would split them (quotes kept together)."""
+    return tuple(shlex.split(text))
+
+
+words.metavar = "OPTIONS"  # type: ignore[attr-defined]
 
 
 def status_value(text: str) -> int:

@@ -45,6 +45,19 @@ from .engine import (
 )
 from .handshake import NIXL, EngineDead, prefill_kv, pull_kv, sglang_kv
 from .kv import KvRegistry, PrefixCache
+from .sglang import (
+    SGLANG_GENERATE,
+    abort,
+    batch_size,
+    child_rids,
+    is_native_generate,
+    lacks_room,
+    open_path,
+    parse_generate,
+    refuse_without_room,
+    rooms_of,
+    send_generate,
+)
 from .wire import DEAD_MESSAGE, Faults, Inflight, Received, answer_aborted, send_error, serve_kv
 
 __all__ = ["DemoBackend", "Faults", "KvRegistry", "MODEL", "Received", "start_pair"]
@@ -62,8 +75,12 @@ class DemoBackend:
                  scale_out: bool = False, relay_connector: str = NIXL,
                  nested_block_ids: bool = False, eos_first: float = 0.0,
                  block_size: int = 16, prefix_cache_blocks: int = 4096,
-                 remote_kv: bool = False, seed: int = 0) -> None:
+                 remote_kv: bool = False, seed: int = 0, sglang_pd: bool = False) -> None:
         self.role = role  # "prefill" or "decode": only SGLang needs to know
+        # An SGLang server started with --disaggregation-mode (demo/sglang.py):
+        # its decode refuses a request without bootstrap_room, --api-key guards
+        # every path, and its native /generate is served.
+        self.sglang_pd = sglang_pd
         self.name = role
         self.registry = registry or KvRegistry()
         self.engine_ids = {str(rank): f"{role}-{uuid.uuid4().hex[:12]}_dp{rank}"
@@ -195,6 +212,8 @@ class DemoBackend:
             await self._abort(body, responder)
             return
         route = route_of(path)
+        if route is None and self.sglang_pd and is_native_generate(path):
+            route = SGLANG_GENERATE
         if route is None:
             await responder.send_json(200, {"path": path, "echo": body})
             return
@@ -210,8 +229,12 @@ class DemoBackend:
             raise
 
     def _authorised(self, request: ClientRequest) -> bool:
-        # vLLM's --api-key guards the /v1 routes only (not /health, /version, ...).
-        if self.api_key is None or not request.path.startswith("/v1"):
+        # vLLM's --api-key guards the /v1 routes only (not /health, /version, ...);
+        # SGLang's guards every path but /health* and /metrics, /abort_request too.
+        path = request.path
+        guarded = (not open_path(path) if self.sglang_pd
+                   else path.startswith("/v1") or path == "/abort_request")
+        if self.api_key is None or not guarded:
             return True
         return request.header(b"authorization") == f"Bearer {self.api_key}".encode()
 
@@ -231,17 +254,8 @@ class DemoBackend:
             await responder.send_json(404, {"detail": "Not Found"})
 
     async def _abort(self, body: Any, responder: Responder) -> None:
-        """SGLang's POST /abort_request {"rid": ...}: every request whose rid starts
-        with it (or all, with abort_all) ends at once; 200 with an empty body."""
-        body = body if isinstance(body, dict) else {}
-        rid = str(body.get("rid") or "")
-        self.abort_requests.append(rid)
-        for entry in list(self._inflight):
-            if (body.get("abort_all") or (rid and entry.rid.startswith(rid))) \
-                    and not entry.task.done():
-                entry.aborted = True
-                self.aborted.append(entry.rid)
-                entry.task.cancel()
+        """SGLang's POST /abort_request (sglang.abort); 200 with an empty body."""
+        abort(self, body if isinstance(body, dict) else {})
         await responder.send_bytes(200, b"", [])
 
     async def _abortable(self, request: ClientRequest, responder: Responder, route: str,
@@ -251,6 +265,8 @@ class DemoBackend:
         rid = body.get("rid") if isinstance(body, dict) else None
         work = asyncio.ensure_future(self._generation(request, responder, route, body))
         entry = Inflight(str(rid) if rid is not None else uuid.uuid4().hex, work)
+        entry.pending = set(child_rids(entry.rid, batch_size(route, body)
+                                       if isinstance(body, dict) else None))
         self._inflight.add(entry)
         try:
             await work
@@ -295,12 +311,16 @@ class DemoBackend:
                                             "data": [{"object": "embedding", "index": 0,
                                                       "embedding": [0.1, 0.2, 0.3]}]})
             return
+        if self.sglang_pd and self.role == "decode" and lacks_room(body):
+            await refuse_without_room(responder, route, str(body.get("rid") or ""),
+                                      bool(body.get("stream")))
+            return
         if route == GENERATE and not self.scale_out:
             await send_error(responder, 403, "the generate API needs --enable-scale-out",
                               "ForbiddenError")
             return
         try:
-            parsed = parse(route, body)
+            parsed = parse_generate(body) if route == SGLANG_GENERATE else parse(route, body)
             self._check_model(body, parsed)
             result = await self._run(request, parsed, body)
         except Problem as problem:
@@ -351,7 +371,8 @@ class DemoBackend:
         elif kv.get("do_remote_prefill"):  # a decode leg that pulls KV
             cached = await pull_kv(self, parsed, kv, request_id)
         elif body.get("bootstrap_room") is not None and body.get("bootstrap_host"):
-            await sglang_kv(self, body)
+            await sglang_kv(self, body, rooms_of(parsed.route, body,
+                                                 batch_size(parsed.route, body)))
         for prompt in parsed.prompts:
             self.prefix_cache.insert(prompt)
         store = parsed.route == RESPONSES and body.get("store", True) is not False
@@ -360,6 +381,9 @@ class DemoBackend:
                       bool(body.get("return_token_ids")), store, body)
 
     async def _send(self, responder: Responder, result: Result) -> None:
+        if result.parsed.route == SGLANG_GENERATE:
+            await send_generate(responder, result)
+            return
         if result.store:  # vLLM keeps a stored response (for ever, without eviction)
             self.stored_responses["resp_" + result.request_id] = responses_object(result, True)
         if not result.parsed.stream:

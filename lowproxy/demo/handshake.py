@@ -187,14 +187,16 @@ async def _pull_nixl(backend: DemoBackend, kv: dict[str, Any]) -> str:
 # -- SGLang
 
 
-async def sglang_kv(backend: DemoBackend, body: dict[str, Any]) -> None:
-    """SGLang PD: the prefill marks its room computed, the decode waits for it."""
-    room = body.get("bootstrap_room")
+async def sglang_kv(backend: DemoBackend, body: dict[str, Any], rooms: list[Any]) -> None:
+    """SGLang PD: the prefill marks each child's room computed, the decode waits
+    for each (``rooms``: one per child, sglang.rooms_of)."""
     if backend.role == "prefill":
-        backend.registry.computed(f"room-{room}", backend.name)
+        for room in rooms:
+            backend.registry.computed(f"room-{room}", backend.name)
         return
     address = _addr(body.get("bootstrap_host"), body.get("bootstrap_port"))
     try:
-        await wait_kv(backend, f"room-{room}", address, backend.kv_wait_timeout)
+        for room in rooms:
+            await wait_kv(backend, f"room-{room}", address, backend.kv_wait_timeout)
     except asyncio.TimeoutError:
         raise Problem(500, "KV transfer timed out", None, "InternalServerError") from None

@@ -52,6 +52,7 @@ class Inflight:
 
     rid: str
     task: asyncio.Future[None]
+    pending: set[str] = field(default_factory=set)  # the rids SGLang serves it as, not aborted
     aborted: bool = False
     dead: bool = False
 

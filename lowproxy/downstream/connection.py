@@ -21,6 +21,7 @@ import h11
 
 from .._types import Headers
 from ..answers import REASONS, bad_gateway, canned_response, error_body, internal_error
+from ..routes import speaks_anthropic
 from ..timeouts import deadline
 from .limits import Limits, origin_target, oversized_head_status, refusal
 from .messages import AbortResponse, ClientGone, ClientRequest, ResponseWriter
@@ -306,13 +307,15 @@ class ClientConnection:
             head_size = self._head_bytes - len(conn.trailing_data[0])
             refused = refusal(event, head_reads or [b""], head_size, self.limits)
             if refused is not None:
-                await self._reject(*refused)
+                status, message, kind, *extra = refused
+                await self._reject(status, message, kind, extra[0] if extra else None,
+                                   target=event.target)
                 return None
             if conn.client_is_waiting_for_100_continue:
                 self.write(conn.send(h11.InformationalResponse(
                     status_code=100, headers=[], reason=b"Continue")))
                 await self.drain()
-            body = await self._receive_body()
+            body = await self._receive_body(event.target)
         except h11.RemoteProtocolError as exc:
             await self._reject_unparsable(exc)
             return None
@@ -339,7 +342,7 @@ class ClientConnection:
             await self._reject(status, f"malformed request: {str(exc) or 'unreadable'}",
                                "bad_request")
 
-    async def _receive_body(self) -> bytes | None:
+    async def _receive_body(self, target: bytes) -> bytes | None:
         """The whole body, bounded; None once refused (413) or the client left."""
         limits = self.limits
         self._enter(Phase.BODY, limits.header_timeout)
@@ -350,7 +353,8 @@ class ClientConnection:
             if isinstance(event, h11.Data):
                 size += len(event.data)
                 if size > limits.max_body_bytes:
-                    await self._reject(413, "request body too large", "request_too_large")
+                    await self._reject(413, "request body too large", "request_too_large",
+                                       target=target)
                     return None
                 parts.append(event.data)
             elif isinstance(event, h11.EndOfMessage):
@@ -374,13 +378,13 @@ class ClientConnection:
             if responder.started:
                 responder.flush()
             else:
-                await responder.send_bytes(502, bad_gateway())
+                await responder.send_bytes(502, bad_gateway(speaks_anthropic(request.path)))
             return False
         except Exception:
             log.exception("handler failed on %s %s", request.method.decode(), request.path)
             if responder.started:
                 return False
-            await responder.send_bytes(500, internal_error())
+            await responder.send_bytes(500, internal_error(speaks_anthropic(request.path)))
         finally:
             if self.phase is Phase.HANDLING:
                 self.phase = Phase.IDLE  # the loop arms the idle timer next
@@ -396,9 +400,12 @@ class ClientConnection:
         return True
 
     async def _reject(self, status: int, message: str, kind: str,
-                      headers: Headers | None = None) -> None:
-        """Answer a request we will not serve, then the connection closes."""
-        body = error_body(status, message, kind)
+                      headers: Headers | None = None, target: bytes = b"") -> None:
+        """Answer a request we will not serve, then the connection closes.
+
+        The target, once its head is read, picks the surface's error shape."""
+        anthropic = speaks_anthropic(target.split(b"?", 1)[0].decode("latin-1"))
+        body = error_body(status, message, kind, anthropic=anthropic)
         extra = b"".join(name + b": " + value + b"\r\n" for name, value in headers or ())
         data = canned_response(status, body, extra)
         if self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):

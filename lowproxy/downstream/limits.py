@@ -32,6 +32,7 @@ class Limits:
     max_header_bytes: int = 64 * 1024
     max_body_bytes: int = 32 * 1024 * 1024
     header_timeout: float = 30.0
+    tls_handshake_timeout: float = 10.0  # from accept to a finished TLS handshake
     keepalive_timeout: float = 75.0
     max_connections: int = 10000
 

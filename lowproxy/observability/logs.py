@@ -75,6 +75,10 @@ def _escape_char(match: re.Match[str]) -> str:
 
 
 class JsonFormatter(logging.Formatter):
+    def __init__(self, worker: int | None = None) -> None:
+        super().__init__()
+        self.worker = worker
+
     def format(self, record: logging.LogRecord) -> str:
         entry: dict[str, Any] = {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
@@ -83,6 +87,8 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        if self.worker is not None:
+            entry["worker"] = self.worker
         fields = getattr(record, "fields", None)
         if fields:
             entry.update(fields)
@@ -92,8 +98,10 @@ class JsonFormatter(logging.Formatter):
 
 
 class TextFormatter(logging.Formatter):
-    def __init__(self) -> None:
-        super().__init__("%(asctime)s %(levelname)s [%(name)s] %(message)s")
+    def __init__(self, worker: int | None = None) -> None:
+        # With --workers, each line says which worker wrote it.
+        shown = "" if worker is None else f" worker={worker}"
+        super().__init__(f"%(asctime)s %(levelname)s [%(name)s]{shown} %(message)s")
 
     def formatMessage(self, record: logging.LogRecord) -> str:
         # Escape the message only: a traceback appended after it keeps its lines.
@@ -116,9 +124,11 @@ class _AccessWriter:
     rest of the line. Same format as the other lines; set up by configure().
     """
 
-    def __init__(self, stream: Any, json_format: bool) -> None:
+    def __init__(self, stream: Any, json_format: bool, worker: int | None = None) -> None:
         self.stream = stream
         self.json_format = json_format
+        self.worker = worker
+        self._prefix = "" if worker is None else f"worker={worker} "
         self._second = -1
         self._stamp = ""
         self._lines: list[str] = []
@@ -137,12 +147,16 @@ class _AccessWriter:
 
     def write(self, fields: dict[str, Any]) -> None:
         if self.json_format:
-            entry = {"time": self._time(), "level": "info", "logger": access_log.name,
-                     "message": f"{fields['method']} {fields['path']} {fields['status']}"}
+            entry: dict[str, Any] = {"time": self._time(), "level": "info",
+                                     "logger": access_log.name,
+                                     "message": f"{fields['method']} {fields['path']} "
+                                                f"{fields['status']}"}
+            if self.worker is not None:
+                entry["worker"] = self.worker
             entry.update(fields)
             line = json.dumps(entry, separators=(",", ":"), default=str)
         else:
-            line = f"{self._time()} INFO [{access_log.name}] {text_fields(fields)}"
+            line = f"{self._time()} INFO [{access_log.name}] {self._prefix}{text_fields(fields)}"
         self._lines.append(line)
         if len(self._lines) == 1:
             # Lines of one event-loop turn go out in one write, after the turn.
@@ -163,15 +177,38 @@ class _AccessWriter:
 _writer: _AccessWriter | None = None
 
 
-def configure(level: str, fmt: str) -> None:
+def configure(level: str, fmt: str, worker: int | None = None) -> None:
+    """Set up the log lines; a worker (--workers) calls it again, once, as it starts."""
     global _writer
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
+    handler.setFormatter(JsonFormatter(worker) if fmt == "json" else TextFormatter(worker))
     root = logging.getLogger("lowproxy")
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     root.propagate = False
-    _writer = _AccessWriter(sys.stderr, fmt == "json")
+    _writer = _AccessWriter(sys.stderr, fmt == "json", worker)
+
+
+def start_error(message: str, json_format: bool, **fields: Any) -> None:
+    """A mistake found at start, before logging is set up: one line on stderr.
+
+    Text: ``lowproxy: <message>`` (and a ``usage`` field as its own short line);
+    JSON: one object, as every other line under PD_PROXY_LOG_FORMAT=json.
+    """
+    if json_format:
+        entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "level": "error",
+                 "logger": "lowproxy", "message": message, "exit_status": 2}
+        entry.update({key: value for key, value in fields.items() if value})
+        lines = [json.dumps(entry, separators=(",", ":"))]
+    else:
+        lines = [f"lowproxy: {text_message(message)}"]
+        if fields.get("usage"):
+            lines.append(fields["usage"])
+    try:
+        sys.stderr.write("\n".join(lines) + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # pragma: no cover - nowhere left to say it
+        pass
 
 
 def warn(logger: logging.Logger, message: str, request_id: str | None = None,

@@ -215,10 +215,22 @@ class Metrics:
                                         ("role", "endpoint"))
         self.prefill_choice = Counter(
             "lowproxy_prefill_choice_total",
-            "Prefill endpoint choices by reason (header, affinity, load, round-robin).",
+            "Prefill endpoint choices by reason (header, affinity, load, only, round-robin).",
             ("reason",))
+        # The prefills' prefix-cache hit rate, when they report cached tokens
+        # (vLLM --enable-prompt-tokens-details): cached / prompt tokens.
+        self.prefill_prompt_tokens = Counter(
+            "lowproxy_prefill_prompt_tokens_total",
+            "Prompt tokens of the prefill legs whose answer reported cached tokens.",
+            ("handshake",))
+        self.prefill_cached_tokens = Counter(
+            "lowproxy_prefill_cached_tokens_total",
+            "Prompt tokens the prefill found in its prefix cache (same legs).", ("handshake",))
         self.client_connections.set(0)
         self.in_flight.set(0)
+        # (version, python, loop) of this process, set once its loop runs; the same
+        # in every worker, so a scrape shows it once, not summed.
+        self.build_info: tuple[str, str, str] | None = None
         # Set by the daemon when workers share one port: the other workers' values.
         self.peers: Peers | None = None
 
@@ -228,7 +240,7 @@ class Metrics:
                 self.client_connections, self.in_flight, self.upstream_connections,
                 self.cooldown, self.bootstrap_entries, self.tasks, self.endpoint_requests,
                 self.endpoint_failures, self.endpoint_health, self.endpoint_in_flight,
-                self.prefill_choice]
+                self.prefill_choice, self.prefill_prompt_tokens, self.prefill_cached_tokens]
 
     def snapshot(self) -> Snapshot:
         """This process's values in plain JSON types (gauge callbacks read now)."""
@@ -260,6 +272,12 @@ class Metrics:
             else:
                 lines.extend(f"{family.name}{_labels(family.labelnames, labels)} "
                              f"{_number(value)}" for labels, value in items)
+        if self.build_info is not None:
+            lines.append("# HELP lowproxy_build_info The running build: lowproxy version, "
+                         "Python version, event loop.")
+            lines.append("# TYPE lowproxy_build_info gauge")
+            lines.append("lowproxy_build_info"
+                         f"{_labels(('version', 'python', 'loop'), self.build_info)} 1")
         for figure, name, kind, help in PROCESS_FAMILIES:
             if figure in merged["process"]:
                 lines.append(f"# HELP {name} {help}")

@@ -10,7 +10,16 @@ takes the same body; ``GET .../instances`` lists every endpoint.
 
 Every admin path needs ADMIN_API_KEY (``x-admin-api-key`` or ``Authorization:
 Bearer``) and is answered here, never forwarded. Registrations live in memory:
-a restart forgets them (DNS discovery is the durable way).
+a restart forgets them (DNS discovery is the durable way). The model list the
+check read routes at once (backends.py), before the first health check.
+
+With --workers N (N > 1) add and remove are refused (409): each worker holds
+its own groups and a registration would reach only the worker that took the
+connection, so GET /instances would differ from call to call and most traffic
+would ignore it. Workers share no state but the listening socket and their
+metrics files; broadcasting through files would leave every registration
+half-applied for a while and lost in a race of two. The refusal says how to
+get the same result: the URL settings or a dns+ name, which every worker reads.
 """
 
 from __future__ import annotations
@@ -26,7 +35,7 @@ from ..downstream.messages import ClientRequest, ResponseWriter
 from ..handshakes.client_body import BodyError, parse_client_body
 from ..keys import BackendKey, bearer_token
 from ..routes import admin_action
-from ..routing.groups import BackendGroup
+from ..routing.groups import BackendGroup, ModelList, parse_models
 from ..timeouts import deadline
 from ..upstream.endpoint import Endpoint
 from ..upstream.pool import Upstream, UpstreamError
@@ -46,8 +55,9 @@ class Instances:
     """Answers the admin paths over the prefill and decode groups."""
 
     def __init__(self, admin_key: str, prefill: BackendGroup, decode: BackendGroup,
-                 upstream: Upstream, backend_key: BackendKey) -> None:
+                 upstream: Upstream, backend_key: BackendKey, workers: int = 1) -> None:
         self._admin_key = admin_key.encode()
+        self.workers = workers
         self.groups = {"prefill": prefill, "decode": decode}
         self.upstream = upstream
         self.backend_key = backend_key
@@ -83,6 +93,9 @@ class Instances:
             await responder.send_bytes(200, answers.ADMIN_OK)
             return
         role, spec = target
+        if self.workers > 1:
+            await responder.send_bytes(409, _refused_under_workers(action, self.workers))
+            return
         if action == "add":
             status, body = await self.add(role, spec)
         else:
@@ -95,7 +108,7 @@ class Instances:
         if present is not None:
             return 200, _ok(role, present)
         endpoint = Endpoint(spec)
-        why = await self._check(endpoint)
+        why, models = await self._check(endpoint)
         if why is not None:
             self.upstream.close_idle(endpoint)
             log.warning("admin: %s instance %s not added: %s", role, _shown(endpoint), why)
@@ -105,7 +118,9 @@ class Instances:
         if present is not None:
             self.upstream.close_idle(endpoint)
             return 200, _ok(role, present)
-        group.add(endpoint)
+        # The list just read routes at once: a decode for another model must get
+        # none of this model's requests while its first health check is pending.
+        group.add(endpoint, models)
         log.info("admin: %s instance %s added (in memory: a restart forgets it)",
                  role, _shown(endpoint))
         return 200, _ok(role, endpoint)
@@ -126,23 +141,23 @@ class Instances:
                  role, _shown(endpoint), endpoint.in_flight)
         return 200, _ok(role, endpoint)
 
-    async def _check(self, endpoint: Endpoint) -> str | None:
-        """Why the instance cannot be used, or None when it answered GET /v1/models."""
+    async def _check(self, endpoint: Endpoint) -> tuple[str | None, ModelList | None]:
+        """(why the instance cannot be used, or None; the models it listed, if in vLLM's shape)."""
         try:
             async with deadline(CHECK_SECONDS):
                 response = await self.upstream.request(
                     endpoint, b"GET", CHECK_TARGET, self.backend_key.headers(), None)
                 try:
-                    await response.read(MAX_CHECK_ANSWER_BYTES)
+                    raw = await response.read(MAX_CHECK_ANSWER_BYTES)
                 finally:
                     await response.aclose()
         except TimeoutError:
-            return f"did not answer GET /v1/models within {CHECK_SECONDS:g}s"
+            return f"did not answer GET /v1/models within {CHECK_SECONDS:g}s", None
         except UpstreamError as exc:
-            return exc.detail
+            return exc.detail, None
         if not 200 <= response.status < 300:
-            return f"answered {response.status} to GET /v1/models"
-        return None
+            return f"answered {response.status} to GET /v1/models", None
+        return None, parse_models(raw)
 
     def listing(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -186,6 +201,14 @@ def _parse_body(raw: bytes) -> tuple[str, EndpointSpec] | None:
     if spec.base_path:
         raise BadBody('"instance": a backend URL takes no path')
     return role, spec
+
+
+def _refused_under_workers(action: str | None, workers: int) -> bytes:
+    return answers.error_body(
+        409, f"instances/{action} is refused with {workers} workers (PD_PROXY_WORKERS): "
+        "a registration would reach only the worker that took this connection; list the "
+        "instance in PD_PROXY_PREFILL_URL or PD_PROXY_DECODE_URL (or behind a dns+ name), "
+        "or run one worker", "registration_needs_one_worker")
 
 
 def _shown(endpoint: Endpoint) -> str:

@@ -24,6 +24,7 @@ from .failures import PrefillResult, prefill_outcome
 # SGLang's POST /abort_request: best effort, and never waited on by a client.
 ABORT_TIMEOUT_SECONDS = 2.0
 ABORT_HEADERS = [(b"content-type", b"application/json")]
+MAX_ABORTED_RIDS = 256  # a batch's children, aborted one by one
 
 log = logging.getLogger("lowproxy.dispatch")
 
@@ -57,25 +58,40 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
         return PrefillResult(False, outcome, detail=exc.detail), status
 
 
-async def send_abort(upstream: Upstream, endpoint: Endpoint, rid: str, role: str,
-                     request_id: str) -> None:
-    """``POST /abort_request {"rid": rid}`` (SGLang aborts every rid with that prefix).
+async def send_abort(upstream: Upstream, endpoint: Endpoint, rids: tuple[str, ...], role: str,
+                     request_id: str, leg_headers: Headers | None = None) -> None:
+    """``POST /abort_request {"rid": rid}`` for each rid the leg is served under.
 
-    Best effort and bounded: the outcome is logged, never raised.
+    SGLang (one tokenizer worker) aborts the exact rid only, and a batch's
+    children run as ``<rid>_<i>``: each is aborted by name, at most
+    MAX_ABORTED_RIDS (the rest are left to SGLang noticing the closed
+    connection). The ``authorization`` of ``leg_headers`` (the backend key,
+    or the client's with PD_PROXY_FORWARD_AUTHORIZATION) goes along, as
+    SGLang's --api-key guards this path too. Best effort and bounded: the outcome is logged,
+    never raised; the first failure ends the round (the backend is gone).
     """
-    try:
-        async with deadline(ABORT_TIMEOUT_SECONDS):
-            response = await upstream.request(endpoint, b"POST", b"/abort_request",
-                                              ABORT_HEADERS, json_body({"rid": rid}))
-            try:
-                await response.read(64 * 1024)
-            finally:
-                await response.aclose()
-    except (TimeoutError, UpstreamError) as exc:
-        logs.warn(log, f"abort of {role} leg {rid} failed: {exc or 'timed out'}",
-                  request_id, backend=endpoint.label)
+    headers = [*ABORT_HEADERS, *(h for h in leg_headers or () if h[0] == b"authorization")]
+    statuses: list[int] = []
+    for rid in rids[:MAX_ABORTED_RIDS]:
+        try:
+            async with deadline(ABORT_TIMEOUT_SECONDS):
+                response = await upstream.request(endpoint, b"POST", b"/abort_request",
+                                                  headers, json_body({"rid": rid}))
+                try:
+                    await response.read(64 * 1024)
+                finally:
+                    await response.aclose()
+        except (TimeoutError, UpstreamError) as exc:
+            logs.warn(log, f"abort of {role} leg {rid} failed: {exc or 'timed out'}",
+                      request_id, backend=endpoint.label)
+            return
+        statuses.append(response.status)
+    refused = [status for status in statuses if not 200 <= status < 300]
+    if refused:  # 401: the backend key (PD_PROXY_BACKEND_API_KEY) is missing or wrong
+        logs.warn(log, f"abort of {role} leg {rids[0]} refused ({refused[0]})", request_id,
+                  backend=endpoint.label)
         return
-    log.info("aborted %s leg %s (%d)", role, rid, response.status,
+    log.info("aborted %s leg %s (%d rids)", role, rids[0], len(statuses),
              extra={"fields": {"request_id": request_id, "backend": endpoint.label}})
 
 
@@ -124,3 +140,12 @@ def _close_late(task: asyncio.Task[UpstreamResponse]) -> None:
     if task.cancelled() or task.exception() is not None:
         return
     task.result().abandon()
+
+
+def decode_failed(task: asyncio.Task[UpstreamResponse]) -> bool:
+    """A decode leg that ended without a 2xx head: it raised, or answered an error."""
+    if not task.done():
+        return False
+    if task.cancelled() or task.exception() is not None:
+        return True
+    return not 200 <= task.result().status < 300

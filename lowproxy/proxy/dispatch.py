@@ -26,12 +26,19 @@ from ..handshakes.usage import rewrite_body, rewrite_events
 from ..headers import client_response_head
 from ..observability import logs
 from ..observability.metrics import Metrics
+from ..routes import speaks_anthropic
 from ..routing.groups import BackendGroup
 from ..timeouts import deadline, first_done
 from ..upstream.endpoint import Endpoint
 from ..upstream.errors import UpstreamUnreachable, UpstreamUntrusted
 from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
-from .auxiliary_legs import BackgroundTasks, drop_decode, send_abort, send_prefill_leg
+from .auxiliary_legs import (
+    BackgroundTasks,
+    decode_failed,
+    drop_decode,
+    send_abort,
+    send_prefill_leg,
+)
 from .exchange import Exchange, PrefillLeg
 from .failures import (
     DecodeFailed,
@@ -99,10 +106,10 @@ class Dispatcher:
                 exchange.skip_reason = plan.skip_reason
                 self.metrics.prefill_legs.inc(exchange.handshake or "", "skipped",
                                               plan.skip_reason)
-            abort_rid = plan.abort_rid
+            abort_rids = plan.abort_rids
             response = await self._decode_response(exchange, responder, plan)
             del plan
-            await self._copy_answer(exchange, responder, response, abort_rid)
+            await self._copy_answer(exchange, responder, response, abort_rids)
         except Failure as failure:
             await self.answer_failure(exchange, responder, failure)
         finally:
@@ -161,42 +168,60 @@ class Dispatcher:
         decode_task = self.background.running_loop().create_task(
             self._open_decode(exchange, responder, plan.method, plan.decode_target,
                               plan.decode_body))
+        prefill_closed = False
         try:
             async with deadline(self.config.decode_timeout):
                 # Wait for prefill, or for decode to fail first (then answer at once).
                 await first_done(self.background.running_loop(), prefill_task, decode_task)
-                result = None
-                if not (decode_task.done() and decode_task.exception() is not None):
-                    result = (prefill_task.result() if prefill_task.done()
-                              else await asyncio.shield(prefill_task))
-                if result is None or result.ok:
+                if decode_failed(decode_task) and (not prefill_task.done()
+                                                   or decode_task.exception() is not None):
+                    # Decode raised, or answered an error while prefill still runs:
+                    # that is the client's answer, and prefill is not waited for.
+                    if not prefill_task.done():
+                        prefill_closed = self._close_prefill(exchange, plan, prefill_task)
+                    return await decode_task
+                result = (prefill_task.result() if prefill_task.done()
+                          else await asyncio.shield(prefill_task))
+                if result.ok:
                     response = await decode_task
-                    if result is not None:  # committed: decode reads the KV prefill made
-                        exchange.prefill_cached_tokens = result.cached_tokens
+                    # Committed: decode reads the KV prefill made.
+                    exchange.prefill_cached_tokens = result.cached_tokens
                 else:
-                    self._drop_decode(exchange, decode_task, plan.abort_rid)
+                    self._drop_decode(exchange, decode_task, plan.abort_rids)
                     body = self._without_kv(exchange, plan, result)
                     exchange.decode_started = None  # a new decode leg, its own timeout
                     response = await self._open_decode_bounded(
                         exchange, responder, plan.method, plan.decode_target, body)
         except TimeoutError:
-            self._drop_decode(exchange, decode_task, plan.abort_rid)
+            self._drop_decode(exchange, decode_task, plan.abort_rids)
             raise DecodeTimedOut() from None
         except BaseException:
             # The client left, or decode failed: abort decode at once; a prefill
             # still running is left to finish, unless it can be aborted by rid.
-            self._drop_decode(exchange, decode_task, plan.abort_rid)
-            if not prefill_task.done() and plan.prefill is not None:
-                self._abort(exchange, plan.prefill, "prefill", plan.abort_rid)
+            self._drop_decode(exchange, decode_task, plan.abort_rids)
+            if not prefill_task.done() and not prefill_closed and plan.prefill is not None:
+                self._abort(exchange, plan.prefill, "prefill", plan.abort_rids)
             raise
         return response
 
+    def _close_prefill(self, exchange: Exchange, plan: Plan,
+                       prefill_task: asyncio.Task[PrefillResult]) -> bool:
+        """Decode failed first: SGLang's prefill leg (which would wait for that
+        decode up to SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s) is aborted by
+        rid and closed; a vLLM one is left to finish, as aborting it
+        mid-transfer can leak KV blocks."""
+        if not plan.abort_rids or plan.prefill is None:
+            return False
+        self._abort(exchange, plan.prefill, "prefill", plan.abort_rids)
+        prefill_task.cancel()  # its connection is discarded: SGLang notices that too
+        return True
+
     def _drop_decode(self, exchange: Exchange, task: asyncio.Task[UpstreamResponse],
-                     abort_rid: str | None) -> None:
+                     abort_rids: tuple[str, ...]) -> None:
         """Close a decode leg that will not be relayed, and abort it by rid (SGLang)."""
         drop_decode(task)
         if exchange.decode_endpoint is not None:
-            self._abort(exchange, exchange.decode_endpoint, "decode", abort_rid)
+            self._abort(exchange, exchange.decode_endpoint, "decode", abort_rids)
 
     def _without_kv(self, exchange: Exchange, plan: Plan,
                     failed: PrefillResult | str) -> bytes:
@@ -211,7 +236,9 @@ class Dispatcher:
             detail = failed.detail
         else:
             detail = failed
-        if self.config.on_prefill_failure == "error":
+        if self.config.on_prefill_failure == "error" or exchange.handshake == "sglang":
+            # An SGLang decode in disaggregation mode refuses a request without a
+            # bootstrap room: it cannot recompute the prompt, whatever the policy.
             raise PrefillFailed(detail)
         self.metrics.prefill_legs.inc(exchange.handshake or "", "recompute")
         logs.warn(log, "decode will recompute the prompt without transferred KV",
@@ -286,7 +313,7 @@ class Dispatcher:
         return deadline(max(0.0, limit - (time.perf_counter() - exchange.decode_started)))
 
     async def _copy_answer(self, exchange: Exchange, responder: ResponseWriter,
-                           response: UpstreamResponse, abort_rid: str | None) -> None:
+                           response: UpstreamResponse, abort_rids: tuple[str, ...]) -> None:
         """Relay an opened decode response within the decode timeout; always close it."""
         try:
             async with self._decode_deadline(exchange):
@@ -296,7 +323,7 @@ class Dispatcher:
         except (asyncio.CancelledError, ClientGone) as exc:
             if isinstance(exc, ClientGone) or responder.client_gone:
                 self.metrics.decode_legs.inc("client-gone")
-                self._abort(exchange, response.endpoint, "decode", abort_rid)
+                self._abort(exchange, response.endpoint, "decode", abort_rids)
             raise
         finally:
             await response.aclose()
@@ -367,6 +394,7 @@ class Dispatcher:
         """Count, log and answer one failure; cut the response if it had started."""
         config = self.config
         request_id = exchange.request_id
+        anthropic = speaks_anthropic(exchange.request.path)  # the surface's error shape
         if isinstance(failure, NoDecode):
             self.metrics.decode_legs.inc("unreachable")
             logs.warn(log, f"no decode backend: {failure.detail}", request_id)
@@ -380,21 +408,20 @@ class Dispatcher:
                       f"{error.detail}", request_id,
                       backend=error.endpoint.label if error.endpoint else None)
             status = 504 if isinstance(error, UpstreamTimeout) else 502
-            body = answers.decode_failed(status)
+            body = answers.decode_failed(status, anthropic)
         elif isinstance(failure, DecodeTimedOut):
             self.metrics.decode_legs.inc("timeout")
             logs.warn(log, f"decode did not finish within {config.decode_timeout:g}s",
                       request_id, backend=exchange.decode_backend)
-            status, body = 504, answers.decode_timed_out()
+            status, body = 504, answers.decode_timed_out(anthropic)
         elif isinstance(failure, PrefillRefused):
             logs.warn(log, f"{failure}: its answer is relayed, decode is not asked",
                       request_id, backend=exchange.prefill_backend)
             status = failure.status
-            body = failure.body or answers.error_body(status, "prefill refused the request",
-                                                      "invalid_request_error")
+            body = failure.body or answers.prefill_refused(status, anthropic)
         elif isinstance(failure, PrefillFailed):
             # Counted and logged where the prefill leg failed.
-            status, body = 502, answers.prefill_failed(failure.detail)
+            status, body = 502, answers.prefill_failed(failure.detail, anthropic)
         elif isinstance(failure, Truncated):
             self.metrics.decode_legs.inc("truncated")
             logs.warn(log, f"decode broke off its response after {responder.bytes_out} bytes; "
@@ -410,13 +437,15 @@ class Dispatcher:
     # -- SGLang aborts: no leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT
 
     def _abort(self, exchange: Exchange, endpoint: Endpoint, role: str,
-               rid: str | None) -> None:
-        """Ask ``endpoint`` to abort this request's leg by the plan's rid (SGLang only)."""
-        if rid is None:
+               rids: tuple[str, ...]) -> None:
+        """Ask ``endpoint`` to abort this request's leg by the plan's rids (SGLang only),
+        with the legs' own authorization (SGLang's --api-key guards that path)."""
+        if not rids:
             return
         if role == "decode":
             exchange.decode_endpoint = None  # once per leg
-        self.background.spawn(send_abort(self.upstream, endpoint, rid, role, exchange.request_id))
+        self.background.spawn(send_abort(self.upstream, endpoint, rids, role,
+                                         exchange.request_id, exchange.upstream_headers))
 
     # -- prefill
 
@@ -450,6 +479,9 @@ class Dispatcher:
         exchange.prefill_ms = elapsed * 1000.0
         self.metrics.prefill_duration.observe(elapsed, handshake)
         self.metrics.prefill_legs.inc(handshake, result.outcome)
+        if result.cached_tokens is not None and result.prompt_tokens:
+            self.metrics.prefill_prompt_tokens.inc(handshake, amount=result.prompt_tokens)
+            self.metrics.prefill_cached_tokens.inc(handshake, amount=result.cached_tokens)
         if exchange.span is not None and self.tracing is not None:
             self.tracing.record_prefill(exchange, endpoint.label, started, status, result.ok,
                                         concurrent=not want_kv)

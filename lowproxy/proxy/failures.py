@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..handshakes.backend_json import MAX_PREFILL_ANSWER_BYTES, BadAnswer, strict_loads
-from ..handshakes.usage import cached_tokens_of
+from ..handshakes.usage import cached_tokens_of, prompt_tokens_of
 from ..upstream.errors import UpstreamError
 
 # Prefill statuses that say the request itself is wrong: relayed to the client.
@@ -74,7 +74,7 @@ class PrefillRefused(Failure):
 
 class PrefillResult:
     __slots__ = ("ok", "outcome", "kv_transfer_params", "detail", "status", "body",
-                 "cached_tokens", "prompt_token_ids")
+                 "cached_tokens", "prompt_tokens", "prompt_token_ids")
 
     def __init__(self, ok: bool, outcome: str, kv_transfer_params: Any = None,
                  detail: str = "", status: int = 0, body: bytes = b"") -> None:
@@ -85,6 +85,7 @@ class PrefillResult:
         self.status = status
         self.body = body  # prefill's answer, kept only when it is relayed (rejected)
         self.cached_tokens: int | None = None  # what the prefill's prefix cache held
+        self.prompt_tokens: int | None = None  # of a prompt this long (the hit rate's base)
         self.prompt_token_ids: Any = None  # with return_token_ids (tokenize once)
 
 
@@ -117,6 +118,7 @@ def prefill_outcome(status: int, raw: bytes, want_kv: bool,
     result = PrefillResult(True, "ok", params if isinstance(params, dict) else None)
     if surface is not None:
         result.cached_tokens = cached_tokens_of(surface, answer)
+        result.prompt_tokens = prompt_tokens_of(surface, answer)
     result.prompt_token_ids = answer.get("prompt_token_ids")
     return result
 

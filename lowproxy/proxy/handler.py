@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import platform
 import time
 from typing import Iterable
 
-from .. import answers
+from .. import __version__, answers
 from ..config.settings import Config
 from ..downstream.messages import ClientRequest, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
@@ -27,7 +28,16 @@ from ..ids import Ids
 from ..keys import BackendKey, ClientKeys
 from ..observability import logs
 from ..observability.metrics import Metrics
-from ..routes import ADMIN, HEALTH, METRICS, READY, classify, route_and_surface
+from ..routes import (
+    ADMIN,
+    HEALTH,
+    MESSAGES,
+    METRICS,
+    READY,
+    classify,
+    route_and_surface,
+    speaks_anthropic,
+)
 from ..routing.affinity import PromptFacts, prompt_facts
 from ..routing.groups import BackendGroup, PrefillTargetAllowList
 from ..routing.health import HealthMonitor
@@ -49,6 +59,8 @@ METRICS_TYPE = [(b"content-type", b"text/plain; version=0.0.4; charset=utf-8")]
 class Proxy:
     def __init__(self, config: Config, resolver: Resolver | None = None) -> None:
         self.config = config
+        # SGLang's native POST /generate is a generation surface under its handshake.
+        self.sglang = config.kv_protocol == "sglang"
         self.metrics = Metrics()
         self.trust = TrustStore(config.ca_file)
         if config.ca_file:
@@ -71,7 +83,7 @@ class Proxy:
         self.backend_key = BackendKey(config.backend_api_key, config.backend_api_key_file)
         self.client_keys = ClientKeys(config.client_api_keys, config.client_api_keys_file)
         self.instances = Instances(config.admin_api_key, self.prefill, self.decode,
-                                   self.upstream, self.backend_key)
+                                   self.upstream, self.backend_key, config.workers)
         self.health = HealthMonitor(config, self.upstream, self.prefill, self.decode,
                                     self.backend_key)
         self.draining = False
@@ -83,9 +95,12 @@ class Proxy:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        loop_name = "uvloop" if type(loop).__module__.startswith("uvloop") else "asyncio"
+        self.metrics.build_info = (__version__, platform.python_version(), loop_name)
         self.dispatch.start(loop)
         await self.refresh_discovery()
         self.health.start(loop)  # checks and model lists, in the background
+        await self.health.first_checks()  # bounded: ready only once decode was checked
         self._maintenance = loop.create_task(self._maintain())
 
     async def refresh_discovery(self) -> None:
@@ -124,7 +139,7 @@ class Proxy:
     # -- the handler
 
     async def handle(self, request: ClientRequest, responder: ResponseWriter) -> None:
-        route, surface = route_and_surface(request.method, request.path)
+        route, surface = route_and_surface(request.method, request.path, self.sglang)
         if route == HEALTH:
             await self._local(responder, route, 200, answers.HEALTH_OK)
             return
@@ -136,15 +151,17 @@ class Proxy:
             await (self._local(responder, route, 404, answers.NOT_FOUND)
                    if self.config.metrics_port else self._metrics(responder))
             return
-        if (self.client_keys.required and route != ADMIN
-                and not self.client_keys.allows(request.header(b"authorization"))):
-            await self._local(responder, route, 401, answers.error_body(
-                401, "a valid API key is required: authorization: Bearer <key>",
-                "invalid_api_key"), [(b"www-authenticate", b"Bearer")])  # RFC 6750 3
-            return
+        if self.client_keys.required and route != ADMIN:
+            anthropic = speaks_anthropic(request.path)
+            if not self.client_keys.allows(request.header(b"authorization"),
+                                           request.header(b"x-api-key") if anthropic else None):
+                await self._local(responder, route, 401, answers.unauthorized(anthropic),
+                                  [(b"www-authenticate", b"Bearer")])  # RFC 6750 3
+                return
         if self.draining:
             # Probes above are still answered; new work goes to another replica.
-            await self._local(responder, route, 503, answers.shutting_down())
+            await self._local(responder, route, 503,
+                              answers.shutting_down(speaks_anthropic(request.path)))
             return
         exchange = self._exchange(request, route)
         # The client's x-request-id, or the one made here, comes back with the answer.
@@ -223,8 +240,10 @@ class Proxy:
     async def _ready(self, responder: ResponseWriter) -> None:
         if self.draining:
             reason = "draining"
-        elif not self.decode.ready_count():
+        elif not self.decode.ready_count(checked_only=self.health.active):
             reason = ("no decode endpoint configured" if not self.decode.configured
+                      else "decode not checked yet" if self.health.active
+                      and not self.decode.checked
                       else "no healthy decode endpoint" if self.decode.usable_count()
                       else "no usable decode endpoint")
         else:
@@ -246,11 +265,13 @@ class Proxy:
         rejected = decode_would_reject(body, surface)
         if rejected is not None:
             # Decode would reject it after prefill computed a KV nobody reads.
-            await responder.send_bytes(400, answers.invalid_request(*rejected))
+            await responder.send_bytes(400, answers.invalid_request(
+                *rejected, anthropic=surface == MESSAGES))
             return
         exchange.wants_stream = wants_stream(body)
         model = body.get("model") if isinstance(body.get("model"), str) else None
-        refused_here = await self.health.refuse(model, body)  # model knowledge: 404, 400
+        # Model knowledge: 404, 400.
+        refused_here = await self.health.refuse(model, body, surface == MESSAGES)
         if refused_here is not None:
             await responder.send_bytes(*refused_here)
             return
@@ -260,8 +281,8 @@ class Proxy:
             if refused.target:  # client bytes go in a field, escaped, not in the message
                 logs.warn(log, "refused prefill target: not in PD_PROXY_PREFILL_HEADER_ALLOW",
                           None, target=refused.target)
-            await responder.send_bytes(refused.status,
-                                       answers.prefill_target_refused(refused.message))
+            await responder.send_bytes(refused.status, answers.prefill_target_refused(
+                refused.status, refused.message, surface == MESSAGES))
             return
         request.watch_client()
         exchange.handshake = self.config.kv_protocol

@@ -18,6 +18,7 @@ the caller; None when the request names none).
 from __future__ import annotations
 
 import ipaddress
+import json
 import logging
 import time
 from typing import Callable, Iterable
@@ -36,6 +37,23 @@ HEADER_TARGETS_KEPT = 256  # pools kept for scheduler-named prefill targets
 ModelList = dict[str, "int | None"]
 
 
+def parse_models(raw: bytes) -> ModelList | None:
+    """vLLM's /v1/models answer as {name: max_model_len}; None for another shape."""
+    try:
+        listed = json.loads(raw).get("data")
+    except (ValueError, AttributeError, RecursionError):
+        return None
+    if not isinstance(listed, list):
+        return None
+    models: ModelList = {}
+    for entry in listed:
+        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+            length = entry.get("max_model_len")
+            ok = isinstance(length, int) and not isinstance(length, bool) and length > 0
+            models[entry["id"]] = length if ok else None
+    return models
+
+
 class BackendGroup:
     def __init__(self, role: str, specs: Iterable[EndpointSpec],
                  sent: Counter | None = None, failed: Counter | None = None) -> None:
@@ -45,12 +63,15 @@ class BackendGroup:
         # health.py's knowledge, per endpoint
         self.failed_checks: dict[Endpoint, int] = {}
         self.checked: set[Endpoint] = set()
+        self.passed: set[Endpoint] = set()  # passed a check at least once
         self.unhealthy: set[Endpoint] = set()
         self.models: dict[Endpoint, ModelList] = {}
         self.on_new: Callable[[Endpoint], None] | None = None  # an endpoint appeared
         self._healthy: list[Endpoint] = []
         self._serving: dict[str, list[Endpoint]] = {}  # by model: lists it, or unknown
         self._healthy_serving: dict[str, list[Endpoint]] = {}
+        self._unlisted: list[Endpoint] = []  # endpoints whose model list is not known
+        self._healthy_unlisted: list[Endpoint] = []
         self.specs = tuple(specs)
         self._static = [Endpoint(spec) for spec in self.specs if not spec.discover]
         self._discovered: dict[EndpointSpec, dict[str, Endpoint]] = {
@@ -75,6 +96,7 @@ class BackendGroup:
             for gone in [endpoint for endpoint in knowledge if endpoint not in present]:
                 del knowledge[gone]
         self.checked &= present
+        self.passed &= present
         self.unhealthy &= present
         self._reindex()
         if self.on_new is not None:
@@ -85,19 +107,26 @@ class BackendGroup:
     # -- what the active checks learned (health.py)
 
     def record_check(self, endpoint: Endpoint, ok: bool, failures_allowed: int) -> bool:
-        """One health check's result; True when the endpoint's health changed."""
+        """One health check's result; True when the endpoint's health changed.
+
+        ``failures_allowed`` in a row take out an endpoint that has passed a
+        check before (a flap is forgiven); one that never passed is out at its
+        first failure, so a decode unreachable from the start is never ready.
+        """
         if endpoint not in self.endpoints:
             return False  # removed while it was being checked
         self.checked.add(endpoint)
         was_out = endpoint in self.unhealthy
         if ok:
             self.failed_checks[endpoint] = 0
+            self.passed.add(endpoint)
             self.unhealthy.discard(endpoint)
         else:
             self.failed_checks[endpoint] = self.failed_checks.get(endpoint, 0) + 1
             if self.failed is not None:
                 self.failed.inc(self.role, endpoint.label, "health")
-            if self.failed_checks[endpoint] >= failures_allowed:
+            if (self.failed_checks[endpoint] >= failures_allowed
+                    or endpoint not in self.passed):
                 self.unhealthy.add(endpoint)
         changed = was_out != (endpoint in self.unhealthy)
         if changed:
@@ -141,21 +170,29 @@ class BackendGroup:
             for name in names}
         self._healthy_serving = {name: [e for e in serving if e not in self.unhealthy]
                                  for name, serving in self._serving.items()}
+        self._unlisted = [e for e in self.endpoints if e not in self.models]
+        self._healthy_unlisted = [e for e in self._unlisted if e not in self.unhealthy]
 
     def candidates(self, model: str | None = None) -> list[Endpoint]:
         """Healthy endpoints that may serve ``model`` (all healthy ones without a model).
 
         With one model behind the group, or none known, every healthy endpoint.
+        A model no list names may be served only by endpoints whose list is not
+        known (an endpoint listing other models is not one of them); with every
+        list known, by any (the model may have just been loaded).
         """
         if model is None or not self._serving:
             return self._healthy
-        return self._healthy_serving.get(model, self._healthy)
+        serving = self._healthy_serving.get(model)
+        if serving is not None:
+            return serving
+        return self._healthy_unlisted if self._unlisted else self._healthy
 
     def serving(self, model: str | None = None) -> list[Endpoint]:
         """Endpoints that may serve ``model``, whatever their health."""
         if model is None or not self._serving:
             return self.endpoints
-        return self._serving.get(model, self.endpoints)
+        return self._serving.get(model) or self._unlisted or self.endpoints
 
     def source(self, endpoint: Endpoint) -> str:
         """Where an endpoint came from: static (a URL), dns (discovered) or admin."""
@@ -171,8 +208,11 @@ class BackendGroup:
                 return endpoint
         return None
 
-    def add(self, endpoint: Endpoint) -> None:
+    def add(self, endpoint: Endpoint, models: ModelList | None = None) -> None:
+        """Register ``endpoint``; ``models``: the list it answered, routed by at once."""
         self._added.append(endpoint)
+        if models is not None:
+            self.models[endpoint] = models
         self._rebuild()
 
     def remove(self, endpoint: Endpoint, upstream: Upstream) -> None:
@@ -201,10 +241,14 @@ class BackendGroup:
         now = time.monotonic() if now is None else now
         return sum(1 for endpoint in self.endpoints if endpoint.usable(now))
 
-    def ready_count(self) -> int:
-        """Endpoints neither cooling down nor out after failed health checks."""
+    def ready_count(self, checked_only: bool = False) -> int:
+        """Endpoints neither cooling down nor out after failed health checks.
+
+        ``checked_only`` (checks on): only endpoints a check has passed count.
+        """
         now = time.monotonic()
-        return sum(1 for endpoint in self._healthy if endpoint.usable(now))
+        return sum(1 for endpoint in self._healthy if endpoint.usable(now)
+                   and (not checked_only or endpoint in self.checked))
 
     def in_cooldown(self) -> int:
         now = time.monotonic()

@@ -22,7 +22,6 @@ no model lists, so no 404/400 from model knowledge either.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections import OrderedDict
 from typing import Any, Iterable
@@ -33,7 +32,7 @@ from ..keys import BackendKey
 from ..timeouts import deadline
 from ..upstream.endpoint import Endpoint
 from ..upstream.pool import Upstream, UpstreamError
-from .groups import BackendGroup, ModelList
+from .groups import BackendGroup, parse_models
 
 log = logging.getLogger("lowproxy.health")
 
@@ -41,24 +40,8 @@ HEALTH_TARGET = b"/health"
 MODELS_TARGET = b"/v1/models"
 MAX_ANSWER_BYTES = 4 * 1024 * 1024
 MISSING_KEPT = 1024  # model names asked for and not found, remembered for their refresh
+KEY_REFUSED = (401, 403)  # a backend's answer to a missing or wrong backend key
 CAP_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
-
-
-def parse_models(raw: bytes) -> ModelList | None:
-    """vLLM's /v1/models answer as {name: max_model_len}; None for another shape."""
-    try:
-        listed = json.loads(raw).get("data")
-    except (ValueError, AttributeError):
-        return None
-    if not isinstance(listed, list):
-        return None
-    models: ModelList = {}
-    for entry in listed:
-        if isinstance(entry, dict) and isinstance(entry.get("id"), str):
-            length = entry.get("max_model_len")
-            ok = isinstance(length, int) and not isinstance(length, bool) and length > 0
-            models[entry["id"]] = length if ok else None
-    return models
 
 
 class HealthMonitor:
@@ -73,6 +56,7 @@ class HealthMonitor:
         self.backend_key = backend_key
         self.active = config.health_interval > 0
         self.checking: dict[Endpoint, asyncio.Task[None]] = {}
+        self.key_refused: set[Endpoint] = set()  # answered 401/403: warned about once
         self._loop_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Model refreshes (decode, on demand): numbered as they start.
@@ -88,7 +72,19 @@ class HealthMonitor:
         self._loop = loop
         for group in self.groups:
             group.on_new = self._learn_new(group)
+            for endpoint in group.endpoints:
+                self._spawn(group, endpoint)  # the first round, which first_checks awaits
         self._loop_task = loop.create_task(self._run())
+
+    async def first_checks(self) -> None:
+        """Wait for the first round of checks, at most PD_PROXY_HEALTH_TIMEOUT_SECONDS.
+
+        The daemon reports ready only after this, so /readyz never answers 200
+        for a decode that is unreachable from the start; an endpoint whose check
+        takes longer is "not checked yet" (proxy.py) until it ends.
+        """
+        if self.checking:
+            await asyncio.wait(list(self.checking.values()), timeout=self.config.health_timeout)
 
     async def close(self) -> None:
         tasks = [task for task in (self._loop_task, self._refresh) if task is not None]
@@ -105,10 +101,11 @@ class HealthMonitor:
     async def _run(self) -> None:
         """Every interval, a check for each endpoint not still being checked."""
         while True:
+            await asyncio.sleep(self.config.health_interval)
             for group in self.groups:
                 for endpoint in group.endpoints:
                     self._spawn(group, endpoint)
-            await asyncio.sleep(self.config.health_interval)
+            self.key_refused &= {e for group in self.groups for e in group.endpoints}
 
     def _learn_new(self, group: BackendGroup) -> Any:
         def learn(endpoint: Endpoint) -> None:
@@ -125,22 +122,49 @@ class HealthMonitor:
     async def _check(self, group: BackendGroup, endpoint: Endpoint) -> None:
         status, _ = await self._get(endpoint, HEALTH_TARGET)
         ok = status is not None and 200 <= status < 300
-        if group.record_check(endpoint, ok, self.config.health_failures):
+        if ok:
+            # vLLM's --api-key guards /v1 only: a wrong key shows on the model list.
+            models_status = await self._learn_models(group, endpoint)
+            if models_status in KEY_REFUSED:
+                ok, status = False, models_status
+        refused = status in KEY_REFUSED
+        # A refused key is a misconfiguration, not a flap: out at once.
+        failures_allowed = 1 if refused else self.config.health_failures
+        changed = group.record_check(endpoint, ok, failures_allowed)
+        self._note_key(group, endpoint, refused, status)
+        if changed and not refused:
             if ok:
                 log.info("%s endpoint %s is healthy again", group.role, endpoint.label)
             else:
-                log.warning("%s endpoint %s is out: %d health checks failed in a row "
+                log.warning("%s endpoint %s is out: %d health check(s) failed in a row "
                             "(last: %s)", group.role, endpoint.label,
-                            self.config.health_failures, status or "no answer")
-        if ok:
-            await self._learn_models(group, endpoint)
+                            group.failed_checks.get(endpoint, 0), status or "no answer")
 
-    async def _learn_models(self, group: BackendGroup, endpoint: Endpoint) -> None:
+    def _note_key(self, group: BackendGroup, endpoint: Endpoint, refused: bool,
+                  status: int | None) -> None:
+        """One warning when an endpoint starts refusing the backend key, one line when it stops.
+
+        The key itself is never logged: only the settings that hold it.
+        """
+        if refused and endpoint not in self.key_refused:
+            self.key_refused.add(endpoint)
+            log.warning("%s endpoint %s is out: it answered %d to lowproxy's health check, so "
+                        "the backend key is missing or wrong (set PD_PROXY_BACKEND_API_KEY or "
+                        "PD_PROXY_BACKEND_API_KEY_FILE to the key the backend was started "
+                        "with, vLLM --api-key)", group.role, endpoint.label, status)
+        elif not refused and endpoint in self.key_refused:
+            self.key_refused.discard(endpoint)
+            log.info("%s endpoint %s no longer refuses the backend key (now: %s)",
+                     group.role, endpoint.label, status or "no answer")
+
+    async def _learn_models(self, group: BackendGroup, endpoint: Endpoint) -> int | None:
+        """Read and record the endpoint's model list; the status it answered."""
         status, raw = await self._get(endpoint, MODELS_TARGET)
         if status is not None and 200 <= status < 300:
             models = parse_models(raw)
             if models is not None:
                 group.record_models(endpoint, models)
+        return status
 
     async def _get(self, endpoint: Endpoint, target: bytes) -> tuple[int | None, bytes]:
         """(status, body) of one GET, or (None, b"") when it failed or timed out."""
@@ -191,7 +215,8 @@ class HealthMonitor:
                     self._refresh_models(self._refresh_number))
             await asyncio.shield(task)
 
-    async def refuse(self, model: str | None, body: dict[str, Any]) -> tuple[int, bytes] | None:
+    async def refuse(self, model: str | None, body: dict[str, Any], anthropic: bool = False
+                     ) -> tuple[int, bytes] | None:
         """(status, body) for a request no decode can serve, before either leg; else None."""
         decode = self.decode
         if not self.active or not decode.lists_known():
@@ -204,7 +229,7 @@ class HealthMonitor:
             if self._done <= first:
                 await self.refreshed_after(first)
             if decode.lists_known() and not decode.serves(model):
-                return 404, answers.model_not_found(model)
+                return 404, answers.model_not_found(model, anthropic)
             self._missing.pop(model, None)
         limit = decode.max_model_len(model)
         if limit is None:
@@ -214,7 +239,7 @@ class HealthMonitor:
             if isinstance(cap, int) and not isinstance(cap, bool) and cap > limit:
                 return 400, answers.invalid_request(field, (
                     f"'{field}' is {cap}, more than the model's maximum context length "
-                    f"of {limit} tokens."))
+                    f"of {limit} tokens."), anthropic)
         return None
 
     # -- metrics read at scrape time

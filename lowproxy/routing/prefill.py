@@ -15,7 +15,8 @@ counted from the choice until the prefill leg ends: dispatch reports that once
 (also when no leg was sent), and the proxy releases the request's lease then. Each choice is
 counted in lowproxy_prefill_choice_total by its reason: header, affinity (the
 key's home endpoint), load (bounded loads sent the key on, no key, or the
-least-loaded policy) or round-robin.
+least-loaded policy), only (one usable endpoint: nothing was chosen) or
+round-robin.
 """
 
 from __future__ import annotations
@@ -93,6 +94,8 @@ class PrefillChooser:
         usable = [e for e in group.candidates(model) if e.usable(now)]
         if not usable:  # all cooling down or out: try one anyway
             return self._counted(group.soonest_usable(model), "load")
+        if len(usable) == 1:  # nothing to choose: neither a prefix nor load decided it
+            return group.count_sent(self._counted(usable[0], "only"))
         if self.policy == "affinity" and facts.key is not None and len(usable) > 1:
             endpoint, home = self._by_affinity(usable, facts)
             return group.count_sent(self._counted(endpoint, "affinity" if home else "load"))

@@ -311,13 +311,17 @@ async def test_sglang_decode_waits_for_its_room_and_abort_frees_it(stream):
                                                 sglang_body(7, "lowproxy-0001-a", stream=stream)))
         await wait_until(lambda: decode._inflight, what="decode waiting")
         assert not waiting.done()
-        abort = await request(decode.port, "POST", "/abort_request", {"rid": "lowproxy-0001"})
+        # SGLang 0.5.23 (one tokenizer worker) aborts the exact rid, not a prefix.
+        prefix = await request(decode.port, "POST", "/abort_request", {"rid": "lowproxy-0001"})
+        assert prefix.status == 200 and decode.aborted == [] and not waiting.done()
+        abort = await request(decode.port, "POST", "/abort_request",
+                              {"rid": "lowproxy-0001-a"})
         assert abort.status == 200 and abort.body == b""
         reply = await asyncio.wait_for(waiting, 2)
         assert reply.status == 200
         assert b'"finish_reason":{"type":"abort"' in reply.body
-        assert decode.abort_requests == ["lowproxy-0001"]
-        assert decode.aborted == ["lowproxy-0001-a"]  # matched by prefix
+        assert decode.abort_requests == ["lowproxy-0001", "lowproxy-0001-a"]
+        assert decode.aborted == ["lowproxy-0001-a"]  # matched exactly
 
 
 async def test_sglang_abort_of_another_rid_leaves_the_request_waiting():

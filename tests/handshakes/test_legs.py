@@ -143,7 +143,7 @@ async def test_both_legs_as_received_completions_path():
         assert reply.status == 200, reply.body
         [pf] = prefill.received
         [dc] = decode.received
-        assert pf.path == "/v1/completions" and dc.target == "/v1/completions?tag=1"
+        assert pf.target == "/v1/completions" and dc.target == "/v1/completions?tag=1"
         assert pf.body == {"model": "demo-model", "prompt": "hi", "max_tokens": 1,
                            "stream": False, "ignore_eos": True,
                            "kv_transfer_params": PREFILL_KV}

@@ -176,7 +176,7 @@ async def test_generation_paths_prime_prefill_on_the_same_path(path):
         assert reply.status == 200, reply.body
         [pf], [dc] = prefill.received, decode.received
         assert pf.path == path and dc.path == path
-        assert dc.target == path + "?q=1"
+        assert pf.target == path and dc.target == path + "?q=1"  # prefill: no query
 
 
 async def test_embeddings_go_straight_to_decode():
