@@ -1,6 +1,6 @@
 """deploy/kubernetes as kustomize renders it: the base and every overlay start.
 
-Rendered by `kubectl kustomize` when it is on PATH, else by tests/kustomize_lite.py
+Rendered by `kubectl kustomize` when it is on PATH, else by tests/helpers/kustomize_lite.py
 (checked against kubectl when both are there). In every rendering each setting
 that names a file has a volume that provides that file (and not an optional
 one: a named file that is missing stops the proxy, exit status 2), the probes
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from helpers import ROOT, chat, config_for, eventually, free_port, running_proxy
-from kustomize_lite import by_identity, render_kubectl, render_lite
+from helpers.kustomize_lite import by_identity, render_kubectl, render_lite
 from lowproxy.config import SETTINGS, load_config
 from lowproxy.demo import start_pair
 from lowproxy.routes import HEALTH_PATHS

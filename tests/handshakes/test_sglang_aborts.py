@@ -7,13 +7,12 @@ worker), and a batch ends once each of its children (``<rid>_<i>``) is aborted.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import json
 from typing import Any, AsyncIterator
 
 from helpers import (
     CHAT,
+    Client,
     chat,
     config_for,
     free_port,
@@ -42,14 +41,11 @@ async def keyed_sglang(**overrides: Any) -> AsyncIterator[Any]:
 
 async def leave_after_both_legs(proxy, prefill, decode, body, path=CHAT) -> None:
     """A streaming client that hangs up once both legs are sent."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-    raw = json.dumps(body).encode()
-    writer.write(b"POST %s HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
-                 b"content-length: %d\r\n\r\n%s" % (path.encode(), len(raw), raw))
-    await writer.drain()
+    client = await Client.open(proxy.port)
+    client.send("POST", path, body)
     await wait_until(lambda: decode.requests_to(path) and prefill.requests_to(path),
                      what="both legs sent")
-    writer.close()
+    client.close()
 
 
 def abort_headers(backend) -> list[bytes | None]:

@@ -14,7 +14,6 @@ import pytest
 
 from helpers import ROOT
 
-BENCH = os.path.join(ROOT, "bench")
 CHARTS = ("latency_cdf.png", "cpu_per_request.png")
 SMALL = ["--scenario", "latency", "--requests", "40", "--warmup", "0.1", "--loop", "asyncio",
          "--timeout", "20"]
@@ -60,11 +59,7 @@ def test_plot_without_matplotlib_says_how_to_get_it_before_any_load(tmp_path):
 
 
 def test_the_peer_is_named_by_its_command():
-    sys.path.insert(0, BENCH)
-    try:
-        import load_plot
-    finally:
-        sys.path.remove(BENCH)
+    import load_plot  # noqa: PLC0415 - bench/ is on the pytest pythonpath
     assert load_plot.proxy_label({"proxy_cmd": [sys.executable, "-m", "lowproxy"]}) == "lowproxy"
     assert load_plot.proxy_label({"proxy_cmd": ["python3", "-u", "/x/pd_proxy.py"]}) == \
         "pd_proxy.py"
