@@ -6,10 +6,17 @@ so a room that differs between the legs, or a prefill that never runs, shows.
 
 from __future__ import annotations
 
-import asyncio
-import json
-
-from helpers import CHAT, chat, config_for, legs, pd_setup, running_proxy, tagged_chats, wait_until
+from helpers import (
+    CHAT,
+    chat,
+    config_for,
+    leave_after_both_legs,
+    legs,
+    pd_setup,
+    running_proxy,
+    tagged_chats,
+    wait_until,
+)
 from lowproxy.demo import DemoBackend, KvRegistry, start_pair
 
 BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
@@ -172,15 +179,7 @@ async def test_held_decode_answer_is_not_replaced_by_a_recompute():
 async def test_client_going_away_aborts_decode():
     async with pd_setup("sglang") as (proxy, prefill, decode):
         prefill.faults.delay = 0.5
-        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
-        body = json.dumps(chat(stream=True)).encode()
-        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
-                     b"content-type: application/json\r\n"
-                     b"content-length: %d\r\n\r\n%s" % (len(body), body))
-        await writer.drain()
-        await wait_until(lambda: decode.requests_to("/chat/completions")
-                         and prefill.requests_to("/chat/completions"), what="both legs sent")
-        writer.close()
+        await leave_after_both_legs(proxy, prefill, decode, chat(stream=True), CHAT)
         [dc], [pf] = decode.requests_to("/chat/completions"), prefill.requests_to(
             "/chat/completions")
         rid = dc.body["rid"]

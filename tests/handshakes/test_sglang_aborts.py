@@ -12,10 +12,10 @@ from typing import Any, AsyncIterator
 
 from helpers import (
     CHAT,
-    Client,
     chat,
     config_for,
     free_port,
+    leave_after_both_legs,
     pd_setup,
     request,
     running_proxy,
@@ -37,15 +37,6 @@ async def keyed_sglang(**overrides: Any) -> AsyncIterator[Any]:
     finally:
         await prefill.close()
         await decode.close()
-
-
-async def leave_after_both_legs(proxy, prefill, decode, body, path=CHAT) -> None:
-    """A streaming client that hangs up once both legs are sent."""
-    client = await Client.open(proxy.port)
-    client.send("POST", path, body)
-    await wait_until(lambda: decode.requests_to(path) and prefill.requests_to(path),
-                     what="both legs sent")
-    client.close()
 
 
 def abort_headers(backend) -> list[bytes | None]:

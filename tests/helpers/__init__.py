@@ -29,7 +29,7 @@ from .client import Client, Reply, exchange, first_reply, parse_replies, request
 __all__ = ["CHAT", "ROOT", "Client", "Daemon", "RawServer", "Reply", "RunningProxy",
            "ScriptedBackend", "chat", "client_for", "config_for", "demo_backends", "eventually",
            "exchange", "first_reply", "follow_output", "free_port", "legs", "parse_replies",
-           "pd_setup", "raw_exchange", "tagged_chats",
+           "leave_after_both_legs", "pd_setup", "raw_exchange", "tagged_chats",
            "read_request", "request", "running_proxy", "wait_until"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -129,6 +129,16 @@ async def tagged_chats(proxy: RunningProxy, count: int) -> list[Reply]:
         for i in range(count)))
     assert [r.status for r in replies] == [200] * count
     return replies
+
+
+async def leave_after_both_legs(proxy: RunningProxy, prefill: Any, decode: Any, body: Any,
+                                path: str = CHAT) -> None:
+    """A client that sends ``body`` and hangs up once both legs have reached the backends."""
+    client = await Client.open(proxy.port)
+    client.send("POST", path, body)
+    await wait_until(lambda: decode.requests_to(path) and prefill.requests_to(path),
+                     what="both legs sent")
+    client.close()
 
 
 def client_for(port: int) -> Any:
