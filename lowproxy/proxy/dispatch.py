@@ -4,8 +4,8 @@ Read top to bottom, as Go's ReverseProxy is: ``run`` opens decode's response
 (``_decode_response``: decode only, the legs in turn, or both at once with the
 commit point), then copies decode's answer to the client (``_copy_answer``).
 Every failure on the way is an exception of the Failure family, and one
-function, ``answer_failure``, decides its metric label, its log line and the
-client's answer. The prefill-failure policy (PD_PROXY_ON_PREFILL_FAILURE) is
+function, ``failure_answers.answer_failure``, decides its metric label, its log
+line and the client's answer. The prefill-failure policy (PD_PROXY_ON_PREFILL_FAILURE) is
 applied in one place, ``_without_kv``.
 """
 
@@ -16,17 +16,15 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from .. import answers
 from .._types import Headers
 from ..config.settings import Config
-from ..downstream.messages import AbortResponse, ClientGone, ResponseWriter
+from ..downstream.messages import ClientGone, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.legs import Plan
 from ..handshakes.usage import rewrite_body, rewrite_events
 from ..headers import client_response_head
 from ..observability import logs
 from ..observability.metrics import Metrics
-from ..routes import speaks_anthropic
 from ..routing.groups import BackendGroup
 from ..timeouts import deadline, first_done
 from ..upstream.endpoint import Endpoint
@@ -40,6 +38,7 @@ from .auxiliary_legs import (
     send_prefill_leg,
 )
 from .exchange import Exchange, PrefillLeg
+from .failure_answers import answer_failure
 from .failures import (
     DecodeFailed,
     DecodeTimedOut,
@@ -111,7 +110,7 @@ class Dispatcher:
             del plan
             await self._copy_answer(exchange, responder, response, abort_rids)
         except Failure as failure:
-            await self.answer_failure(exchange, responder, failure)
+            await answer_failure(self.config, self.metrics, exchange, responder, failure)
         finally:
             if exchange.prefill_leg is PrefillLeg.NOT_SENT:
                 self._report_prefill_ended(exchange)  # none was sent, and none will be
@@ -386,53 +385,6 @@ class Dispatcher:
         await responder.write(body)
         await responder.end()
         self.metrics.decode_legs.inc("ok")
-
-    # -- the one place a failure becomes a metric, a log line and an answer
-
-    async def answer_failure(self, exchange: Exchange, responder: ResponseWriter,
-                             failure: Failure) -> None:
-        """Count, log and answer one failure; cut the response if it had started."""
-        config = self.config
-        request_id = exchange.request_id
-        anthropic = speaks_anthropic(exchange.request.path)  # the surface's error shape
-        if isinstance(failure, NoDecode):
-            self.metrics.decode_legs.inc("unreachable")
-            logs.warn(log, f"no decode backend: {failure.detail}", request_id)
-            status, body = config.no_decode_status, answers.no_decode_backend(
-                config.no_decode_message)
-        elif isinstance(failure, DecodeFailed):
-            error = failure.error
-            self.metrics.decode_legs.inc("unreachable" if isinstance(error, UpstreamUnreachable)
-                                         else "error")
-            logs.warn(log, f"decode backend failed before answering ({error.reason}): "
-                      f"{error.detail}", request_id,
-                      backend=error.endpoint.label if error.endpoint else None)
-            status = 504 if isinstance(error, UpstreamTimeout) else 502
-            body = answers.decode_failed(status, anthropic)
-        elif isinstance(failure, DecodeTimedOut):
-            self.metrics.decode_legs.inc("timeout")
-            logs.warn(log, f"decode did not finish within {config.decode_timeout:g}s",
-                      request_id, backend=exchange.decode_backend)
-            status, body = 504, answers.decode_timed_out(anthropic)
-        elif isinstance(failure, PrefillRefused):
-            logs.warn(log, f"{failure}: its answer is relayed, decode is not asked",
-                      request_id, backend=exchange.prefill_backend)
-            status = failure.status
-            body = failure.body or answers.prefill_refused(status, anthropic)
-        elif isinstance(failure, PrefillFailed):
-            # Counted and logged where the prefill leg failed.
-            status, body = 502, answers.prefill_failed(failure.detail, anthropic)
-        elif isinstance(failure, Truncated):
-            self.metrics.decode_legs.inc("truncated")
-            logs.warn(log, f"decode broke off its response after {responder.bytes_out} bytes; "
-                      f"the client's response is cut: {failure.detail}", request_id,
-                      backend=failure.backend)
-            raise AbortResponse()
-        else:  # pragma: no cover - every Failure is listed above
-            raise failure
-        if responder.started:
-            raise AbortResponse()  # a started response is cut, never completed
-        await responder.send_bytes(status, body)
 
     # -- SGLang aborts: no leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT
 
