@@ -77,6 +77,9 @@ def parser() -> argparse.ArgumentParser:
                    help="prefix-cache block size in demo tokens (one per whitespace word)")
     p.add_argument("--prefix-cache-blocks", type=int, default=4096,
                    help="prefix-cache capacity in blocks, per server (0: no prefix cache)")
+    p.add_argument("--prefill-us-per-token", type=float, default=0.0,
+                   help="emulated compute: microseconds per uncached prompt token, one "
+                        "request at a time (0: none)")
     p.add_argument("--record", action="store_true",
                    help="keep every request received in memory (tests; off for benchmarks)")
     return p
@@ -89,7 +92,8 @@ def knobs_of(args: argparse.Namespace) -> dict[str, Any]:
             "prompt_tokens_details": args.enable_prompt_tokens_details,
             "scale_out": args.enable_scale_out, "relay_connector": args.relay_connector,
             "nested_block_ids": args.nested_block_ids, "eos_first": args.eos_first,
-            "block_size": args.block_size, "prefix_cache_blocks": args.prefix_cache_blocks}
+            "block_size": args.block_size, "prefix_cache_blocks": args.prefix_cache_blocks,
+            "prefill_us_per_token": args.prefill_us_per_token}
 
 
 async def serve(args: argparse.Namespace) -> None:

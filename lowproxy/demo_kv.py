@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import zlib
+from array import array
 from collections import OrderedDict
 from typing import Any
 from urllib.parse import quote
@@ -76,12 +77,19 @@ class PrefixCache:
         self._blocks: OrderedDict[int, None] = OrderedDict()
 
     def _chain(self, tokens: list[int]) -> list[int]:
+        # crc32 continued over the token ids' bytes: each block's value covers
+        # every token before it (a chain), computed in C; the index keeps
+        # equal crcs at different depths apart.
         hashes, previous = [], 0
         size = self.block_size
-        for start in range(0, len(tokens) - size + 1, size):
-            block = tokens[start:start + size]
-            previous = zlib.crc32(json.dumps([previous, block]).encode())
-            hashes.append(previous)
+        try:
+            raw = array("q", tokens).tobytes()
+        except OverflowError:  # ids beyond 64 bits: vLLM would refuse them anyway
+            raw = array("q", [token % (1 << 63) for token in tokens]).tobytes()
+        step = size * 8
+        for index, start in enumerate(range(0, len(tokens) - size + 1, size)):
+            previous = zlib.crc32(raw[start * 8:start * 8 + step], previous)
+            hashes.append(previous | (index << 32))
         return hashes
 
     def lookup(self, tokens: list[int]) -> int:
