@@ -20,6 +20,7 @@ from . import answers, logs
 from .auxiliary_legs import BackgroundTasks, drop_decode, send_abort, send_prefill_leg
 from .backends import BackendGroup
 from .config import Config
+from .engine_load import ASK_ORCA, EngineLoads
 from .exchange import Exchange
 from .failures import (
     DecodeFailed,
@@ -62,6 +63,7 @@ class Dispatcher:
         self.metrics = metrics
         self.tracing = tracing
         self.background = BackgroundTasks()  # prefill legs left to finish, aborts
+        self.engine_loads: EngineLoads | None = None  # set by the proxy: ORCA reports
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.background.loop = loop
@@ -219,7 +221,9 @@ class Dispatcher:
         tried: tuple[Endpoint, ...] = ()
         last_error = "no decode backend configured"
         while True:
-            endpoint = self.decode.pick_least_loaded(tried, exchange.model)
+            endpoint = self._preferred_decode(exchange, tried)
+            if endpoint is None:
+                endpoint = self.decode.pick_least_loaded(tried, exchange.model)
             if endpoint is None and not tried:
                 # All cooling down: try one anyway.
                 endpoint = self.decode.soonest_usable(exchange.model)
@@ -252,6 +256,15 @@ class Dispatcher:
                 continue
             endpoint.cooldown_until = 0.0  # it answered: usable again (and ready)
             return response
+
+    def _preferred_decode(self, exchange: Exchange,
+                          tried: tuple[Endpoint, ...]) -> Endpoint | None:
+        """The decode cache-aware routing chose (cache_router.py), while it can be used."""
+        preferred = exchange.decode_preferred
+        if preferred is None or preferred in tried or not preferred.usable(time.monotonic()) \
+                or preferred not in self.decode.endpoints:
+            return None
+        return self.decode.count_sent(preferred)
 
     def _decode_deadline(self, exchange: Exchange) -> Any:
         """What is left of PD_PROXY_DECODE_TIMEOUT_SECONDS for this decode leg.
@@ -410,10 +423,13 @@ class Dispatcher:
         endpoint: Endpoint = plan.prefill
         started = time.perf_counter()
         exchange.prefill_backend = endpoint.label
+        loads = self.engine_loads
+        extra = plan.prefill_headers if loads is None else [*plan.prefill_headers, ASK_ORCA]
         result, status = await send_prefill_leg(
             self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
-            plan.prefill_body, plan.prefill_headers, want_kv, self.config.prefill_timeout,
-            plan.surface if self.config.rewrite_cached_tokens else None)
+            plan.prefill_body, extra, want_kv, self.config.prefill_timeout,
+            plan.surface if self.config.rewrite_cached_tokens else None,
+            None if loads is None else lambda report: loads.orca(endpoint, report))
         if plan.on_prefill_done is not None:
             plan.on_prefill_done()  # its outstanding prompt bytes no longer load it
         if result.outcome == "unreachable":

@@ -33,6 +33,7 @@ class Exchange:
     skip_reason: str | None = None  # why the prefill leg was skipped, when it was
     abort_rid: str | None = None  # SGLang: the rid both legs carry, to abort them by
     decode_endpoint: Any = None  # where the decode leg went (an upstream Endpoint)
+    decode_preferred: Any = None  # the decode cache-aware routing chose, if any
     surface: str | None = None  # the generation surface (routes.CHAT, ...), if one
     model: str | None = None  # the model a generation request names (routes its legs)
     prefill_cached_tokens: int | None = None  # the prefill's figure, for decode's usage

@@ -23,6 +23,7 @@ from .rules import SHORT, cannot_hand_off, too_short
 # What SGLang's PD serves with bootstrap fields; other surfaces go to decode alone.
 SGLANG_SURFACES = (CHAT, COMPLETIONS)
 NOT_ON_SGLANG = "not-on-sglang"
+DECODE_CACHED = "decode-cached"  # decode-first: decode holds all but a few tokens
 
 _rooms = random.SystemRandom()
 
@@ -41,7 +42,8 @@ def skip_reason(config: Config, surface: str, body: Body, prompt_bytes: int | No
 async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids, surface: str,
                           target: bytes, body: Body, choose_prefill: Callable[[], Any],
                           prefill_configured: bool, prompt_bytes: int | None = None,
-                          release_prefill: Callable[[], None] | None = None) -> Plan:
+                          release_prefill: Callable[[], None] | None = None,
+                          decode_cached: bool = False) -> Plan:
     """The plan for one generation request; ``choose_prefill()`` names its prefill endpoint.
 
     The prefill endpoint is chosen only for a request that will have a prefill
@@ -52,6 +54,9 @@ async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids, s
         # No prefill configured: decode computes the prompt itself, no handshake.
         return decode_only_plan(b"POST", target, serialise(body), handshake)
     skipped = skip_reason(config, surface, body, prompt_bytes)
+    if skipped is None and decode_cached and handshake != "sglang":
+        # SGLang's decode cannot run without a bootstrap_room: never skipped there.
+        skipped = DECODE_CACHED
     if skipped is not None:
         # Decode gets the client's request unchanged and computes the prompt.
         return decode_only_plan(b"POST", target, serialise(body), handshake,
