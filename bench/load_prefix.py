@@ -32,11 +32,13 @@ from load_trace import Conversation, prompt_tokens, reference_hit_rate, trace
 TRACES = ("chat", "few-shot", "mix")
 PREFILLS = (2, 4)
 REPLICAS = (1, 2)
-ROUTERS = (("cache-aware", {"PD_PROXY_PREFILL_POLICY": "cache-aware"}),
-           ("round-robin", {"PD_PROXY_PREFILL_POLICY": "round-robin"}))
-DECODE_FIRST = ("decode-first", {"PD_PROXY_PREFILL_POLICY": "cache-aware",
-                                 "PD_PROXY_DECODE_FIRST_TOKENS": "256"})
 CACHE_BLOCKS = 700  # per prefill: 2 hold a little more than the 20 system prompts
+# What the proxy is told of each prefill's cache (vLLM logs its size at start).
+CACHE_TOKENS = {"PD_PROXY_PREFIX_CACHE_TOKENS": str(CACHE_BLOCKS * 16)}
+ROUTERS = (("cache-aware", {"PD_PROXY_PREFILL_POLICY": "cache-aware", **CACHE_TOKENS}),
+           ("round-robin", {"PD_PROXY_PREFILL_POLICY": "round-robin"}))
+DECODE_FIRST = ("decode-first", {"PD_PROXY_PREFILL_POLICY": "cache-aware", **CACHE_TOKENS,
+                                 "PD_PROXY_DECODE_FIRST_TOKENS": "256"})
 US_PER_TOKEN = "15"
 CONCURRENCY = 16
 DECODES = 2
@@ -131,11 +133,16 @@ def engine_counters(port: int) -> dict[str, float]:
             for line in text.splitlines() if line.startswith("vllm:")}
 
 
-def skipped(port: int) -> float:
+def proxy_counts(port: int) -> tuple[float, dict[str, float]]:
+    """(prefill legs skipped as decode-cached, prefill choices by reason) of one proxy."""
     text = asyncio.run(_get(port, "/metrics"))
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("lowproxy_prefill_legs_total{")
-               and 'reason="decode-cached"' in line)
+    lines = text.splitlines()
+    skipped = sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                  if line.startswith("lowproxy_prefill_legs_total{")
+                  and 'reason="decode-cached"' in line)
+    choices = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in lines
+               if line.startswith("lowproxy_prefill_choice_total{")}
+    return skipped, choices
 
 
 def wait_listening(port: int) -> None:
@@ -180,13 +187,18 @@ def run_cell(router: tuple[str, dict[str, str]], name: str, prefills: int, repli
         legs = [c["vllm:request_success_total"] for c in counters]
         hits = sum(c["vllm:prefix_cache_hits_total"] for c in counters)
         queries = sum(c["vllm:prefix_cache_queries_total"] for c in counters)
-        saved = sum(skipped(port) for port in ports)
+        counts = [proxy_counts(port) for port in ports]
+        saved = sum(skipped for skipped, _ in counts)
+        choices: dict[str, float] = {}
+        for _, by_reason in counts:
+            for reason, count in by_reason.items():
+                choices[reason] = choices.get(reason, 0.0) + count
         total = sum(len(prompt_tokens(path, body)) for path, body in sent)
         return {"router": router[0], "trace": name, "prefills": prefills,
                 "replicas": replicas, "requests": len(sent), "sent": sent,
                 "hit_rate": hits / max(queries, 1),
                 "spread": max(legs) / (sum(legs) / len(legs)) if sum(legs) else float("nan"),
-                "wall": wall, "decode_first": saved / max(len(sent), 1),
+                "wall": wall, "decode_first": saved / max(len(sent), 1), "choices": choices,
                 "tokens_saved": 1 - queries / max(total, 1)}
     finally:
         for proxy in proxies:

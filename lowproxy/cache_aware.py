@@ -26,6 +26,12 @@ import zlib
 from typing import Mapping, NamedTuple, Sequence
 
 _MASK = (1 << 64) - 1
+# A cold prefix may go to an endpoint whose cache pressure is within this much
+# of the least pressed one's (pressure: uncached tokens sent, decaying).
+COLD_ROOM = 0.1
+# No endpoint takes more than this many times the mean prefill legs in flight
+# (plus one): hits cost little, and a hot prefix would pile on one engine.
+LEG_ROOM = 2.0
 
 
 def mix64(value: int) -> int:
@@ -102,7 +108,8 @@ def rendezvous(labels: Sequence[str], salts: Mapping[str, int], first: int) -> s
 def choose(labels: Sequence[str], salts: Mapping[str, int], index: PrefixIndex,
            chain: Sequence[int], tokens: int, block_tokens: int,
            work: Mapping[str, float], slack: float, allowance: float,
-           first: int) -> Choice:
+           first: int, pressure: Mapping[str, float] | None = None,
+           legs: Mapping[str, int] | None = None) -> Choice:
     """The endpoint for a prompt (see the module's docstring); ``labels`` not empty."""
     matches = {label: index.match(label, chain) for label in labels}
     longest = max(matches.values())
@@ -111,15 +118,28 @@ def choose(labels: Sequence[str], salts: Mapping[str, int], index: PrefixIndex,
         home = held[0] if len(held) == 1 else min(
             held, key=lambda label: (work.get(label, 0.0),
                                      -mix64(salts[label] ^ first)))
+    elif pressure:
+        # Cold: among the endpoints whose caches take in no more new tokens than
+        # the least pressed (within the slack), so no cache thrashes while another
+        # has room; with equal pressure (idle replicas) every replica agrees.
+        low = min(pressure.get(label, 0.0) for label in labels)
+        room = [label for label in labels
+                if pressure.get(label, 0.0) <= (1.0 + COLD_ROOM) * low]
+        home = rendezvous(room, salts, first)
     else:
         home = rendezvous(labels, salts, first)
 
     def total(label: str) -> float:
         return work.get(label, 0.0) + max(1, tokens - matches[label] * block_tokens)
 
-    at_home = total(home)
-    least = min(labels, key=lambda label: (total(label), label != home))
-    if least == home or at_home <= (1.0 + slack) * total(least) + allowance:
+    # Legs in flight are bounded too, as in bounded-load hashing: a hot prefix
+    # whose hits cost little would otherwise pile every request on one engine.
+    legs = legs or {}
+    cap = LEG_ROOM * (sum(legs.get(label, 0) for label in labels) + 1) / len(labels) + 1
+    fitting = [label for label in labels if legs.get(label, 0) + 1 <= cap]
+    least = min(fitting, key=lambda label: (total(label), label != home))
+    if least == home or (home in fitting
+                         and total(home) <= (1.0 + slack) * total(least) + allowance):
         return Choice(home, matches[home], True)
     return Choice(least, matches[least], False)
 

@@ -28,6 +28,7 @@ from .upstream import Endpoint
 
 KV_FULL = 0.98  # a decode whose KV cache is this full takes no preferred turn
 MEAN_COST_START = 512.0  # tokens per prefill leg before any was seen
+PRESSURE_DECAY = 1.0 - 1.0 / 128  # per choice: the pressure of the last ~128 requests
 
 
 class CacheRouter:
@@ -43,7 +44,10 @@ class CacheRouter:
         self.decode_allowance = config.decode_allowance
         self.engine = engine
         self.queued: dict[Endpoint, float] = {}  # uncached tokens chosen, leg not ended
+        self.legs: dict[str, int] = {}  # prefill legs chosen, not ended, by label
         self.mean_cost = MEAN_COST_START  # of a prefill leg, to weigh an engine's queue
+        # Uncached tokens sent to each prefill, decaying: how hard its cache churns.
+        self.pressure: dict[str, float] = {}
         self._salts: dict[str, int] = {}
         self._known: dict[int, tuple[Sequence[Endpoint], set[str]]] = {}
 
@@ -87,17 +91,27 @@ class CacheRouter:
         work = {label: self._work(endpoint) for label, endpoint in by_label.items()}
         picked = choose(labels, self._salt_of(labels), self.prefills, blocks.chain,
                         blocks.tokens, self.block_tokens, work, self.slack, self.allowance,
-                        blocks.first)
+                        blocks.first, self.pressure, self.legs)
         endpoint = by_label[picked.label]
         cost = float(max(1, blocks.tokens - picked.matched * self.block_tokens))
+        pressure = self.pressure
+        for label in labels:
+            pressure[label] = pressure.get(label, 0.0) * PRESSURE_DECAY
+        pressure[picked.label] += cost
         if blocks.chain:
             self.prefills.record(picked.label, blocks.chain)
         self.queued[endpoint] = self.queued.get(endpoint, 0.0) + cost
+        self.legs[picked.label] = self.legs.get(picked.label, 0) + 1
         self.mean_cost += (cost - self.mean_cost) / 16.0
         reason = "load" if not picked.home else "cache" if picked.matched else "cold"
         return endpoint, cost, reason
 
     def release_prefill(self, endpoint: Endpoint, cost: float) -> None:
+        legs = self.legs.get(endpoint.label, 0) - 1
+        if legs > 0:
+            self.legs[endpoint.label] = legs
+        else:
+            self.legs.pop(endpoint.label, None)
         left = self.queued.get(endpoint, 0.0) - cost
         if left > 0.5:
             self.queued[endpoint] = left

@@ -359,11 +359,13 @@ class DemoBackend:
         check_length(parsed, self.max_model_len)
         if self.stream_chunks and parsed.stream:
             parsed.sampling.cap = self.stream_chunks
-        cached = self.prefix_cache.lookup(parsed.prompts[0])
-        self.load.looked_up(len(parsed.prompts[0]), cached)
-        if not kv.get("do_remote_prefill"):  # decode pulling KV computes no prompt
-            for index, prompt in enumerate(parsed.prompts):
-                await self.load.compute(len(prompt) - (cached if index == 0 else 0))
+        if kv.get("do_remote_prefill"):  # a decode pulling KV computes no prompt
+            cached = self.prefix_cache.lookup(parsed.prompts[0])
+            self.load.looked_up(len(parsed.prompts[0]), cached)
+        else:
+            # Looked up when its turn to compute comes, as vLLM's scheduler does:
+            # a request queued behind one with the same prefix hits its blocks.
+            cached = await self.load.compute(self.prefix_cache, parsed.prompts)
         eos_first = self.eos_first > 0 and self._rng.random() < self.eos_first
         outputs = [[generate(parsed.sampling, eos_first) for _ in range(parsed.sampling.n)]
                    for _ in parsed.prompts]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from typing import Any
 
 
 class EngineLoad:
@@ -41,21 +42,37 @@ class EngineLoad:
         self.queries += tokens
         self.hits += cached
 
-    async def compute(self, uncached: int) -> None:
-        """The prompt's uncached tokens, computed in turn with the other requests'."""
-        self.computed += max(0, uncached)
-        if self.us_per_token <= 0 or uncached <= 0:
-            return
+    async def compute(self, cache: Any, prompts: list[list[int]]) -> int:
+        """Compute the prompts in turn with other requests; prompt 0's cached tokens.
+
+        The cache (demo_kv.PrefixCache) is looked up when this request's turn
+        comes and filled as soon as it is computed, as vLLM's scheduler does.
+        """
+        if self.us_per_token <= 0:
+            return self._computed(cache, prompts)
         self.waiting += 1
         queued = True
         try:
             async with self._compute:
                 self.waiting -= 1
                 queued = False
-                await asyncio.sleep(uncached * self.us_per_token / 1e6)
+                cached = cache.lookup(prompts[0])
+                uncached = sum(len(prompt) for prompt in prompts) - cached
+                await asyncio.sleep(max(0, uncached) * self.us_per_token / 1e6)
+                self._computed(cache, prompts, cached)
+                return cached
         finally:
             if queued:  # cancelled while waiting its turn
                 self.waiting -= 1
+
+    def _computed(self, cache: Any, prompts: list[list[int]], cached: int | None = None) -> int:
+        if cached is None:
+            cached = cache.lookup(prompts[0])
+        self.looked_up(len(prompts[0]), cached)
+        self.computed += sum(len(prompt) for prompt in prompts) - cached
+        for prompt in prompts:
+            cache.insert(prompt)
+        return cached
 
     @property
     def running(self) -> int:
