@@ -48,6 +48,7 @@ class CacheRouter:
         self.mean_cost = MEAN_COST_START  # of a prefill leg, to weigh an engine's queue
         # Uncached tokens sent to each prefill, decaying: how hard its cache churns.
         self.pressure: dict[str, float] = {}
+        self._weight = 1.0
         self._salts: dict[str, int] = {}
         self._known: dict[int, tuple[Sequence[Endpoint], set[str]]] = {}
 
@@ -94,10 +95,14 @@ class CacheRouter:
                         blocks.first, self.pressure, self.legs)
         endpoint = by_label[picked.label]
         cost = float(max(1, blocks.tokens - picked.matched * self.block_tokens))
+        # Decay without touching every entry: later tokens weigh more instead.
         pressure = self.pressure
-        for label in labels:
-            pressure[label] = pressure.get(label, 0.0) * PRESSURE_DECAY
-        pressure[picked.label] += cost
+        pressure[picked.label] = pressure.get(picked.label, 0.0) + cost * self._weight
+        self._weight /= PRESSURE_DECAY
+        if self._weight > 1e200:
+            for label in pressure:
+                pressure[label] /= self._weight
+            self._weight = 1.0
         if blocks.chain:
             self.prefills.record(picked.label, blocks.chain)
         self.queued[endpoint] = self.queued.get(endpoint, 0.0) + cost
@@ -134,22 +139,32 @@ class CacheRouter:
                       ) -> tuple[Endpoint | None, int | None]:
         """(the decode holding the longest part of the prompt, the tokens it lacks),
         when its load allows; (None, None): the usual least-loaded pick."""
-        if len(usable) < 2 or not blocks.chain:
+        if len(usable) < 2:
             return (usable[0], self._lacks(usable[0], blocks)) if usable else (None, None)
         loads = {endpoint: self._decode_load(endpoint) for endpoint in usable}
         least = min(loads.values())
+        if not blocks.chain:
+            return self._least_reported(usable, loads, least), None
         best, longest = None, 0
         for endpoint in usable:
             matched = self.decodes.match(endpoint.label, blocks.chain)
             if matched > longest or (matched == longest and best is not None
                                      and matched and loads[endpoint] < loads[best]):
                 best, longest = endpoint, matched
-        if best is None or loads[best] > least + self.decode_allowance:
-            return None, None
-        usage = self.engine.get(best, "kv_usage") if self.engine is not None else None
-        if usage is not None and usage >= KV_FULL:
-            return None, None
+        usage = self.engine.get(best, "kv_usage") \
+            if self.engine is not None and best is not None else None
+        if best is None or loads[best] > least + self.decode_allowance \
+                or (usage is not None and usage >= KV_FULL):
+            return self._least_reported(usable, loads, least), None
         return best, max(0, blocks.tokens - longest * self.block_tokens)
+
+    def _least_reported(self, usable: Sequence[Endpoint], loads: Mapping[Endpoint, float],
+                        least: float) -> Endpoint | None:
+        """With engines reporting unequal loads, the least loaded; else None (the
+        usual pick: fewest requests in flight, ties in turn)."""
+        if all(endpoint.in_flight == loads[endpoint] for endpoint in usable):
+            return None  # nothing beyond lowproxy's own counts
+        return next(endpoint for endpoint in usable if loads[endpoint] == least)
 
     def _lacks(self, endpoint: Endpoint, blocks: PromptBlocks) -> int | None:
         if not blocks.chain:
