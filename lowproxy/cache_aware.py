@@ -16,8 +16,9 @@ always a prefix of it (the longest match is found by bisection).
    tokens (the proxy's own estimate, or what the engine reported, whichever is
    more) plus this request's uncached tokens there; home keeps the request
    while its work stays within (1 + slack) x the least work plus an absolute
-   allowance (a handful of requests is no imbalance); otherwise the least
-   worked endpoint takes it (and from then on holds that prefix too).
+   allowance (a handful of requests is no imbalance), and while its prefill
+   legs in flight stay under LEG_ROOM x the mean plus one; otherwise the
+   least worked endpoint takes it (and from then on holds that prefix too).
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ from operator import itemgetter
 from typing import Mapping, NamedTuple, Sequence
 
 _MASK = (1 << 64) - 1
-# A cold prefix may go to an endpoint whose cache pressure is within this much
-# of the least pressed one's (pressure: uncached tokens sent, decaying).
-COLD_ROOM = 0.5
 # No endpoint takes more than this many times the mean prefill legs in flight
 # (plus one): hits cost little, and a hot prefix would pile on one engine.
 LEG_ROOM = 2.0
@@ -115,8 +113,7 @@ def rendezvous(labels: Sequence[str], salts: Mapping[str, int], first: int) -> s
 def choose(labels: Sequence[str], salts: Mapping[str, int], index: PrefixIndex,
            chain: Sequence[int], tokens: int, block_tokens: int,
            work: Mapping[str, float], slack: float, allowance: float,
-           first: int, pressure: Mapping[str, float] | None = None,
-           legs: Mapping[str, int] | None = None) -> Choice:
+           first: int, legs: Mapping[str, int] | None = None) -> Choice:
     """The endpoint for a prompt (see the module's docstring); ``labels`` not empty."""
     matches = {label: index.match(label, chain) for label in labels}
     longest = max(matches.values())
@@ -125,14 +122,6 @@ def choose(labels: Sequence[str], salts: Mapping[str, int], index: PrefixIndex,
         home = held[0] if len(held) == 1 else min(
             held, key=lambda label: (work.get(label, 0.0),
                                      -mix64(salts[label] ^ first)))
-    elif pressure:
-        # Cold: among the endpoints whose caches take in no more new tokens than
-        # the least pressed (within the slack), so no cache thrashes while another
-        # has room; with equal pressure (idle replicas) every replica agrees.
-        low = min(pressure.get(label, 0.0) for label in labels)
-        room = [label for label in labels
-                if pressure.get(label, 0.0) <= (1.0 + COLD_ROOM) * low]
-        home = rendezvous(room, salts, first)
     else:
         home = rendezvous(labels, salts, first)
 

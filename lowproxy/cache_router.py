@@ -28,7 +28,6 @@ from .upstream import Endpoint
 
 KV_FULL = 0.98  # a decode whose KV cache is this full takes no preferred turn
 MEAN_COST_START = 512.0  # tokens per prefill leg before any was seen
-PRESSURE_DECAY = 1.0 - 1.0 / 128  # per choice: the pressure of the last ~128 requests
 
 
 class CacheRouter:
@@ -46,9 +45,6 @@ class CacheRouter:
         self.queued: dict[Endpoint, float] = {}  # uncached tokens chosen, leg not ended
         self.legs: dict[str, int] = {}  # prefill legs chosen, not ended, by label
         self.mean_cost = MEAN_COST_START  # of a prefill leg, to weigh an engine's queue
-        # Uncached tokens sent to each prefill, decaying: how hard its cache churns.
-        self.pressure: dict[str, float] = {}
-        self._weight = 1.0
         self._salts: dict[str, int] = {}
         self._known: dict[int, tuple[Sequence[Endpoint], set[str]]] = {}
 
@@ -92,17 +88,9 @@ class CacheRouter:
         work = {label: self._work(endpoint) for label, endpoint in by_label.items()}
         picked = choose(labels, self._salt_of(labels), self.prefills, blocks.chain,
                         blocks.tokens, self.block_tokens, work, self.slack, self.allowance,
-                        blocks.first, self.pressure, self.legs)
+                        blocks.first, self.legs)
         endpoint = by_label[picked.label]
         cost = float(max(1, blocks.tokens - picked.matched * self.block_tokens))
-        # Decay without touching every entry: later tokens weigh more instead.
-        pressure = self.pressure
-        pressure[picked.label] = pressure.get(picked.label, 0.0) + cost * self._weight
-        self._weight /= PRESSURE_DECAY
-        if self._weight > 1e200:
-            for label in pressure:
-                pressure[label] /= self._weight
-            self._weight = 1.0
         if blocks.chain:
             self.prefills.record(picked.label, blocks.chain)
         self.queued[endpoint] = self.queued.get(endpoint, 0.0) + cost
