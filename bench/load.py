@@ -7,6 +7,7 @@
     python bench/load.py --json               # the same, as one JSON document
     python bench/load.py --from-json run.json --markdown   # render a saved run again
     python bench/load.py --scenario chat --proxy-cmd "python3 /path/other_proxy.py"
+    python bench/load.py --plot charts/         # also PNG charts (needs matplotlib)
 
 Three kinds of process, so none steals the others' measurements: emulated
 backends (``python -m lowproxy.demo``: prefill, decode and a Mooncake bootstrap
@@ -38,6 +39,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+import load_plot
 import load_prefix
 from load_client import Result, drive, prefill_leg_body
 from load_procs import Backends, ProxyProcess, raise_fd_limit
@@ -230,6 +232,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="also print the README's speed table (markdown) after the tables")
     add("--from-json", default="", metavar="PATH",
         help="run nothing: render the document a --json-file run saved")
+    add("--plot", default="", metavar="DIR",
+        help="also write PNG charts to DIR: latency CDF direct vs through the proxy, CPU "
+        "per request per scenario (needs matplotlib: pip install 'lowproxy[bench]')")
+    add("--plot-peer", action="append", default=[], metavar="PATH",
+        help="with --plot: another proxy's saved --json-file run, drawn beside (repeatable)")
     add("--check", action="store_true",
         help="exit 1 when a target fails or any request failed")
     args = parser.parse_args(argv)
@@ -258,6 +265,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     args.loops = loops
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
+    if args.plot and not load_plot.available():  # before the load, not after it
+        parser.exit(2, f"bench/load.py: {load_plot.HINT}\n")
 
 
 SETTINGS = ("cpus", "scenarios", "loops", "repeat", "concurrency", "duration", "requests", "warmup",
@@ -301,7 +310,14 @@ def from_json(args: argparse.Namespace) -> int:
         document = json.load(f)
     settings = argparse.Namespace(**document["settings"])
     print(render(document, settings, args.markdown))
+    plot(document, args)
     return 0
+
+
+def plot(document: dict[str, Any], args: argparse.Namespace) -> None:
+    if args.plot:
+        for path in load_plot.plot(document, args.plot, load_plot.load_peers(args.plot_peer)):
+            print(f"wrote {path}", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -333,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text if args.json else render(document, args, args.markdown))
     if "prefix" in document and not args.json:
         print("\n" + load_prefix.render(document["prefix"]))
+    plot(document, args)
     failed = any(r.errors for r in results) or not all(t["pass"] for t in document["targets"])
     return 1 if args.check and failed else 0
 

@@ -259,6 +259,8 @@ class Result:
     kb_per_stream: float | None = None
     errors: int = 0
     error_kinds: dict[str, int] = field(default_factory=dict)
+    # the latency distribution for --plot: the 0th to 100th percentile, in ms
+    latency_cdf_ms: list[float] = field(default_factory=list)
 
 
 def percentile(ordered: list[float], q: float) -> float | None:
@@ -274,6 +276,9 @@ def finish(result: Result, latencies: list[float], elapsed: float, measured_pid:
     result.requests = len(ordered)
     result.rps = len(ordered) / elapsed if elapsed else 0.0
     result.p50_ms, result.p99_ms = percentile(ordered, 0.50), percentile(ordered, 0.99)
+    if ordered:
+        result.latency_cdf_ms = [round(ordered[min(len(ordered) - 1, len(ordered) * q // 100)]
+                                       * 1000.0, 4) for q in range(101)]
     if measured_pid and ordered:
         user, system = cpu
         cpu_us = (user + system) * 1e6

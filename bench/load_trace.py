@@ -22,7 +22,7 @@ import random
 import string
 from dataclasses import dataclass, field
 
-from lowproxy.demo_kv import PrefixCache, prompt_ids, render_messages, tokenize
+from lowproxy.demo.kv import PrefixCache, prompt_ids, render_messages, tokenize
 
 ANSWER_TOKENS = 8
 ANSWER = "".join(f"tok{i} " for i in range(ANSWER_TOKENS))  # what the demo decode says

@@ -20,9 +20,9 @@ from collections import deque
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lowproxy.backends import BackendGroup  # noqa: E402
-from lowproxy.cache_router import CacheRouter  # noqa: E402
 from lowproxy.config import Config, parse_endpoint  # noqa: E402
+from lowproxy.routing.cache_router import CacheRouter  # noqa: E402
+from lowproxy.routing.groups import BackendGroup  # noqa: E402
 
 IN_FLIGHT = 16
 REQUESTS = 20000

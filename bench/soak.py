@@ -14,7 +14,7 @@ and misbehave on that request only; client faults are played by the client.
   decode_closes    decode closes without answering
   decode_500       decode answers 500
   decode_slow      decode waits up to a second before answering
-  prefill_500      prefill answers 500 (the proxy recomputes on decode)
+  prefill_500      prefill answers 500 (the proxy recomputes on decode; 502 under sglang)
   prefill_hang     prefill never answers (bounded by the prefill timeout)
   vanish_body      the client hangs up in the middle of its request body
   vanish_stream    the client hangs up in the middle of a streamed answer
@@ -29,6 +29,9 @@ and misbehave on that request only; client faults are played by the client.
                       the answer; "strays_later" in the summary counts them,
                       and one that crossed the proxy's next request is not
                       held against the proxy: "crossed a stray")
+  decode_hostile_usage  decode's usage has the wrong types or a number JSON cannot
+                      carry once parsed (1e400, NaN): the proxy's cached-token rewrite
+                      (the prefill reports its figure) must relay it byte for byte
   decode_hangs_up     decode reads the whole POST and hangs up before any response
                       byte (the first time it sees that request; a repeat is served)
   decode_cl_chunked   decode's answer carries Content-Length beside
@@ -49,6 +52,10 @@ vanish_stream: not a failure, one per such fault played). A stray response names
 the answer it trailed in its x-soak-id (stray-same-s12, stray-later-s12). The backends
 count the generation requests they receive per soak id: one received twice is
 "generated twice" (the proxy sent a POST again, RFC 9110 9.2.2).
+
+Throughout the run /healthz is asked every --healthz-every seconds on a fresh
+connection; "healthz_failed" counts the probes not answered 200 within 5 s (the
+proxy must never stop answering, whatever it is fed).
 
 At the end the load stops, the proxy settles (idle upstream connections expire
 after PD_PROXY_UPSTREAM_IDLE_SECONDS=2) and its open descriptors, asyncio
@@ -100,6 +107,17 @@ def generated_twice(prefill: FaultyBackend, gate: FaultGate) -> dict[str, int]:
     return twice
 
 
+async def watch_healthz(port: int, every: float, stop_at: float, probes: Counter[str]) -> None:
+    """/healthz on a fresh connection every ``every`` seconds until ``stop_at``."""
+    while time.monotonic() < stop_at:
+        try:
+            reply = await one_request(port, b"GET", b"/healthz", None, timeout=5)
+            probes["ok" if reply.status == 200 else "failed"] += 1
+        except (asyncio.TimeoutError, ConnectionError, OSError):
+            probes["failed"] += 1
+        await asyncio.sleep(every)
+
+
 async def load(args: argparse.Namespace, proc: Any, port: int,
                gate: FaultGate) -> tuple[Soak, list[Any], float]:
     """The soak itself: workers until --duration, a progress line every --report-every."""
@@ -108,6 +126,8 @@ async def load(args: argparse.Namespace, proc: Any, port: int,
     started = time.monotonic()
     soak.stop_at = started + args.duration
     workers = [asyncio.create_task(soak.worker()) for _ in range(args.concurrency)]
+    workers.append(asyncio.create_task(
+        watch_healthz(port, args.healthz_every, soak.stop_at, soak.healthz)))
     while not all(w.done() for w in workers):
         await asyncio.wait(workers, timeout=args.report_every)
         if proc.poll() is not None:
@@ -118,6 +138,7 @@ async def load(args: argparse.Namespace, proc: Any, port: int,
         state = await proxy_state(proc, port)
         say(f"[{elapsed:6.0f}s] requests {done} ({done / max(elapsed, 1e-9):.0f}/s) "
             f"faults {sum(soak.faults.values())} {dict(soak.outcomes)} "
+            f"healthz {dict(soak.healthz)} "
             f"fds {state['fds']} tasks {state.get('lowproxy_asyncio_tasks')} "
             f"rss {state['rss_kib']} KiB")
     failed = [w.exception() for w in workers if w.done() and w.exception() is not None]
@@ -141,6 +162,7 @@ def summarise(args: argparse.Namespace, soak: Soak, elapsed: float, twice: dict[
         "generated_twice_by_fault": dict(Counter(key.split("(")[1].rstrip(")")
                                                  for key in twice)),
         "faults_injected": sum(soak.faults.values()), "faults": dict(soak.faults),
+        "healthz_ok": soak.healthz["ok"], "healthz_failed": soak.healthz["failed"],
         "proxy_alive": alive, "proxy_before": before, "proxy_after": after,
         "fds_leaked": (after.get("fds", 0) - before["fds"]) if alive else None,
         "tasks_leaked": (after.get("lowproxy_asyncio_tasks", 0)
@@ -148,7 +170,8 @@ def summarise(args: argparse.Namespace, soak: Soak, elapsed: float, twice: dict[
     }
     summary["ok"] = (alive and not workers_failed and back_at(before, after)
                      and not any(summary[key] for key in
-                                 ("lost", "unexpected", "answered_wrong", "generated_twice")))
+                                 ("lost", "unexpected", "answered_wrong", "generated_twice",
+                                  "healthz_failed")))
     return summary
 
 
@@ -206,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
                         default="relay")
     parser.add_argument("--request-timeout", type=float, default=30.0)
     parser.add_argument("--report-every", type=float, default=30.0)
+    parser.add_argument("--healthz-every", type=float, default=0.5,
+                        help="seconds between /healthz probes during the load")
     parser.add_argument("--settle", type=float, default=30.0,
                         help="seconds the proxy gets to close everything after the load")
     parser.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto",

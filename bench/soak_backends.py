@@ -25,10 +25,11 @@ from collections import Counter
 from typing import Any
 
 import h11
+from soak_client import hostile_usage
 
 from lowproxy.answers import json_body
 from lowproxy.demo import DemoBackend, KvRegistry
-from lowproxy.messages import AbortResponse
+from lowproxy.downstream import AbortResponse
 
 # A whole second response, as a backend that owes one answer might write two.
 STRAY_BODY = json_body({"id": "chatcmpl-stray", "object": "chat.completion",
@@ -104,11 +105,31 @@ class FaultyBackend(DemoBackend):
             await responder.send_json(500, {"error": {"message": "injected", "code": 500}})
         elif kind == "hang":
             await asyncio.Event().wait()
+        elif kind == "hostile_usage":
+            await self._hostile_usage(request, responder, soak_id)
         elif kind == "slow":
             await asyncio.sleep(random.uniform(0.1, 1.0))
             await super().handle(request, responder)
         else:  # the gate's kinds: decode itself answers normally
             await super().handle(request, responder)
+
+
+    async def _hostile_usage(self, request: Any, responder: Any, soak_id: str | None) -> None:
+        """A chat answer in vLLM's shape whose usage the proxy cannot rewrite."""
+        usage = hostile_usage(soak_id).encode()
+        if json.loads(request.body).get("stream") is not True:
+            await responder.send_bytes(200, (
+                b'{"id":"chatcmpl-hostile","object":"chat.completion","model":"demo-model",'
+                b'"choices":[{"index":0,"message":{"role":"assistant","content":"hostile"},'
+                b'"finish_reason":"stop"}],"usage":' + usage + b"}"))
+            return
+        await responder.start(200, [(b"content-type", b"text/event-stream; charset=utf-8")])
+        await responder.write(b'data: {"id":"chatcmpl-hostile","choices":[{"index":0,'
+                              b'"delta":{"content":"hostile"}}]}\n\n')
+        await responder.write(b'data: {"id":"chatcmpl-hostile","choices":[],"usage":'
+                              + usage + b"}\n\n")
+        await responder.write(b"data: [DONE]\n\n")
+        await responder.end()
 
 
 class FaultGate:
@@ -405,7 +426,10 @@ class GateLink:
 
 async def start_backends() -> tuple[FaultyBackend, FaultyBackend, FaultGate]:
     registry = KvRegistry()
-    prefill = FaultyBackend("prefill", registry=registry, record=False)
+    # The prefill reports its cached-token figure, so the proxy rewrites decode's usage
+    # (and decode_hostile_usage tests what it cannot rewrite).
+    prefill = FaultyBackend("prefill", registry=registry, record=False,
+                            prompt_tokens_details=True)
     decode = FaultyBackend("decode", registry=registry, record=False)
     await prefill.start("127.0.0.1", 0, bootstrap_port=0)
     await decode.start("127.0.0.1", 0, bootstrap_port=None)

@@ -21,7 +21,8 @@ CHAT = b"/v1/chat/completions"
 # or by the client itself (vanish_*, garbage, slow_reader).
 FAULTS = ("decode_dies", "decode_closes", "decode_500", "decode_slow", "prefill_500",
           "prefill_hang", "vanish_body", "vanish_stream", "garbage", "slow_reader",
-          "decode_stray_same", "decode_stray_later", "decode_hangs_up", "decode_cl_chunked")
+          "decode_hostile_usage", "decode_stray_same", "decode_stray_later", "decode_hangs_up",
+          "decode_cl_chunked")
 # The kinds issue 10 added: bytes after a complete response (in its last write, or
 # later on the idle connection), a hang-up after reading a POST, and Content-Length
 # beside Transfer-Encoding: chunked.
@@ -32,13 +33,38 @@ EXPECTED: dict[str | None, set[tuple[int, bool]] | None] = {
     "decode_500": {(500, True)}, "decode_slow": {(200, True)}, "prefill_500": {(200, True)},
     "prefill_hang": {(200, True)}, "garbage": {(400, True)}, "slow_reader": {(200, True)},
     "vanish_body": None, "vanish_stream": None,
+    # Relayed as decode sent it: the usage bytes unchanged (checked in wrong_answer).
+    "decode_hostile_usage": {(200, True)},
     "decode_stray_same": {(200, True)}, "decode_stray_later": {(200, True)},
     # No retry of a POST decode may have received (RFC 9110 9.2.2): the client gets 502.
     "decode_hangs_up": {(502, True)},
     # Framed by Transfer-Encoding (RFC 9112 6.3), or refused before the answer starts.
     "decode_cl_chunked": {(200, True), (502, True)},
 }
+# Under sglang a failed prefill is a 502: an SGLang decode cannot recompute (issue 19).
+SGLANG_EXPECTED: dict[str | None, set[tuple[int, bool]] | None] = {
+    "prefill_500": {(502, True)}, "prefill_hang": {(502, True)},
+}
 DETAILS_KEPT = 20
+# decode_hostile_usage: usage objects the proxy's cached-token rewrite cannot
+# understand (issue 19), as raw JSON text (1e400 must stay text: Python reads it
+# as infinity). Each must reach the client byte for byte.
+HOSTILE_USAGE = (
+    '{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":"cached"}',
+    '{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":7}',
+    '{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":[["cached_tokens",1]]}',
+    '{"prompt_tokens":5,"completion_tokens":2,"prompt_tokens_details":true}',
+    '{"prompt_tokens":"5","completion_tokens":2}',
+    '{"prompt_tokens":1e400,"completion_tokens":2}',
+    '{"prompt_tokens":5,"completion_tokens":2,"total_tokens":1e400}',
+    '{"prompt_tokens":5,"completion_tokens":2,"total_tokens":NaN}',
+)
+
+
+def hostile_usage(soak_id: str | None) -> str:
+    """The hostile usage decode sends for ``soak_id`` (the client knows it too)."""
+    number = int(soak_id[1:]) if soak_id and soak_id[1:].isdigit() else 0
+    return HOSTILE_USAGE[number % len(HOSTILE_USAGE)]
 
 
 @dataclass
@@ -136,7 +162,8 @@ def chat_body(fault: str | None, stream: bool, tokens: int, soak_id: str | None 
     return json.dumps(body).encode()
 
 
-def wrong_answer(soak_id: str, stream: bool, reply: Reply) -> str | None:
+def wrong_answer(soak_id: str, stream: bool, reply: Reply,
+                 fault: str | None = None) -> str | None:
     """Why ``reply`` is not this request's answer, or None when it is."""
     echoed = reply.header(b"x-soak-id")
     if echoed is not None and echoed != soak_id.encode():
@@ -148,6 +175,9 @@ def wrong_answer(soak_id: str, stream: bool, reply: Reply) -> str | None:
         return "content-length beside transfer-encoding"
     if reply.status != 200 or not reply.complete:
         return None
+    if fault == "decode_hostile_usage" and \
+            b'"usage":' + hostile_usage(soak_id).encode() not in reply.body:
+        return "decode's usage was not relayed as decode sent it"
     if stream:
         return None if reply.body.endswith(b"data: [DONE]\n\n") else "stream without [DONE]"
     try:
@@ -163,6 +193,7 @@ class Soak:
         self.port = port
         self.faults_wanted: tuple[str, ...] = tuple(args.faults)
         self.outcomes: Counter[str] = Counter()
+        self.healthz: Counter[str] = Counter()  # /healthz probes during the load: ok, failed
         self.faults: Counter[str] = Counter()
         self.details: list[str] = []
         self.bad: Counter[tuple[str, str]] = Counter()  # (fault, outcome) not as expected
@@ -172,6 +203,9 @@ class Soak:
         # FaultGate.crossed): received, they are HTTP/1.1's ambiguity, not a fault.
         self.crossed: set[str] = set()
         self.pending: set[str] = set()  # FaultGate.pending: strays not yet judged
+        self.expected = dict(EXPECTED)
+        if getattr(args, "kv_protocol", None) == "sglang":
+            self.expected.update(SGLANG_EXPECTED)
 
     def pick_fault(self) -> str | None:
         if self.faults_wanted and random.random() < self.args.fault_rate:
@@ -236,8 +270,8 @@ class Soak:
         if reply.status == 0:
             self.lost(fault, "connection closed without an answer")
             return
-        wrong = wrong_answer(soak_id, stream, reply) if soak_id else None
-        expected = EXPECTED[fault] or set()
+        wrong = wrong_answer(soak_id, stream, reply, fault) if soak_id else None
+        expected = self.expected[fault] or set()
         echoed = reply.header(b"x-soak-id")
         if wrong and echoed is not None and echoed.decode("ascii", "replace") in self.crossed:
             self.outcomes["crossed a stray"] += 1  # no HTTP/1.1 client could tell

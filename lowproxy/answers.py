@@ -1,8 +1,14 @@
 """Every JSON answer lowproxy writes itself, in one place.
 
-Bodies marked GCO are the GCO Mooncake PD proxy's answers, byte for byte: an
-operator swapping that proxy for this one sees the same bodies. The rest use
-the OpenAI error shape ``{"error": {"message", "type", "code"}}``.
+Bodies marked GCO are the GCO Mooncake PD proxy's answers, byte for byte, on
+every route it gave them: an operator swapping that proxy for this one sees
+the same bodies (README, "Answers lowproxy writes itself"). Every other error
+is in the shape of the surface the client called: Anthropic's
+``{"type": "error", "error": {"type", "message"}}`` on the Messages surface
+(``anthropic=True``, routes.speaks_anthropic), OpenAI's
+``{"error": {"message", "type", "param", "code"}}`` everywhere else (``code``
+is the status, as vLLM's own errors carry it). Nothing here runs for a request
+that succeeds.
 """
 
 from __future__ import annotations
@@ -13,21 +19,37 @@ from typing import Any
 
 REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 
-# GCO: the liveness and readiness probes, and the admin path.
+# GCO: the liveness probe, and the admin path.
 HEALTH_OK = b'{"status":"ok"}'
-READY_OK = b'{"status":"ready"}'
 ADMIN_OK = b'{"status":"ok"}'
 ADMIN_FORBIDDEN = b'{"error":"forbidden"}'
-# The metrics listener serves probes and /metrics only.
-NOT_FOUND = b'{"error":"not found"}'
+READY_OK = b'{"status":"ready"}'
+
+# Anthropic's error type for each status (its API's "HTTP errors" list; other
+# 4xx are invalid_request_error there too).
+_ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                    500: "api_error", 502: "api_error", 503: "overloaded_error",
+                    504: "timeout_error"}
 
 
 def json_body(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
 
 
-def error_body(status: int, message: str, kind: str) -> bytes:
-    return json_body({"error": {"message": message, "type": kind, "code": status}})
+def error_body(status: int, message: str, kind: str, param: str | None = None,
+               code: int | str | None = None, anthropic: bool = False) -> bytes:
+    """One error in the surface's shape; ``kind`` is the OpenAI-shape type."""
+    if anthropic:
+        shown = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500
+                                     else "api_error")
+        return json_body({"type": "error", "error": {"type": shown, "message": message}})
+    return json_body({"error": {"message": message, "type": kind, "param": param,
+                                "code": status if code is None else code}})
+
+
+# The metrics listener serves probes and /metrics only.
+NOT_FOUND = error_body(404, "not found", "not_found_error")
 
 
 def not_ready(reason: str) -> bytes:
@@ -35,25 +57,8 @@ def not_ready(reason: str) -> bytes:
 
 
 def invalid_body(message: str) -> bytes:
-    """GCO: a body that is not a JSON object is ``400 {"error": "<why>"}``."""
+    """GCO: a body that is not a JSON object is ``400 {"error": "<why>"}``, on every route."""
     return json_body({"error": message})
-
-
-def invalid_request(param: str, message: str) -> bytes:
-    """OpenAI's shape for a request the model server would refuse, naming the field."""
-    return json_body({"error": {"message": message, "type": "invalid_request_error",
-                                "param": param, "code": 400}})
-
-
-def model_not_found(model: str) -> bytes:
-    """OpenAI's answer for a model no backend serves (its shape, param named)."""
-    return json_body({"error": {
-        "message": f"The model `{model}` does not exist.", "type": "invalid_request_error",
-        "param": "model", "code": "model_not_found"}})
-
-
-def shutting_down() -> bytes:
-    return json_body({"error": {"message": "shutting down", "type": "unavailable"}})
 
 
 def no_decode_backend(message: str) -> bytes:
@@ -61,29 +66,58 @@ def no_decode_backend(message: str) -> bytes:
     return json_body({"error": {"message": message, "type": "no_decode_backend"}})
 
 
-def prefill_failed(detail: str) -> bytes:
-    return json_body({"error": {"message": f"prefill failed: {detail}",
-                                "type": "prefill_failed", "code": 502}})
+def unauthorized(anthropic: bool = False) -> bytes:
+    how = "x-api-key: <key> or authorization: Bearer <key>" if anthropic \
+        else "authorization: Bearer <key>"
+    return error_body(401, f"a valid API key is required: {how}", "invalid_api_key",
+                      anthropic=anthropic)
 
 
-def prefill_target_refused(message: str) -> bytes:
-    return json_body({"error": {"message": message, "type": "prefill_target_refused"}})
+def invalid_request(param: str, message: str, anthropic: bool = False) -> bytes:
+    """A request the model server would refuse, naming the field."""
+    return error_body(400, message, "invalid_request_error", param, anthropic=anthropic)
 
 
-def decode_failed(status: int) -> bytes:
-    return error_body(status, "decode backend failed before answering", "upstream_error")
+def model_not_found(model: str, anthropic: bool = False) -> bytes:
+    """OpenAI's answer for a model no backend serves (its code, param named)."""
+    return error_body(404, f"The model `{model}` does not exist.", "invalid_request_error",
+                      "model", "model_not_found", anthropic)
 
 
-def decode_timed_out() -> bytes:
-    return error_body(504, "decode backend timed out", "upstream_timeout")
+def shutting_down(anthropic: bool = False) -> bytes:
+    return error_body(503, "shutting down", "unavailable", anthropic=anthropic)
 
 
-def bad_gateway() -> bytes:
-    return error_body(502, "bad gateway", "upstream_error")
+def prefill_failed(detail: str, anthropic: bool = False) -> bytes:
+    return error_body(502, f"prefill failed: {detail}", "prefill_failed", anthropic=anthropic)
 
 
-def internal_error() -> bytes:
-    return error_body(500, "internal proxy error", "internal_error")
+def prefill_refused(status: int, anthropic: bool = False) -> bytes:
+    """Prefill refused the request without a body of its own to relay."""
+    return error_body(status, "prefill refused the request", "invalid_request_error",
+                      anthropic=anthropic)
+
+
+def prefill_target_refused(status: int, message: str, anthropic: bool = False) -> bytes:
+    return error_body(status, message, "prefill_target_refused", "x-prefiller-host-port",
+                      anthropic=anthropic)
+
+
+def decode_failed(status: int, anthropic: bool = False) -> bytes:
+    return error_body(status, "decode backend failed before answering", "upstream_error",
+                      anthropic=anthropic)
+
+
+def decode_timed_out(anthropic: bool = False) -> bytes:
+    return error_body(504, "decode backend timed out", "upstream_timeout", anthropic=anthropic)
+
+
+def bad_gateway(anthropic: bool = False) -> bytes:
+    return error_body(502, "bad gateway", "upstream_error", anthropic=anthropic)
+
+
+def internal_error(anthropic: bool = False) -> bytes:
+    return error_body(500, "internal proxy error", "internal_error", anthropic=anthropic)
 
 
 def canned_response(status: int, body: bytes, extra: bytes = b"") -> bytes:

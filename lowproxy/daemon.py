@@ -30,12 +30,22 @@ from typing import Callable, Mapping
 import h11
 import httpcore
 
-from . import __version__, logs
-from .config import SETTINGS, Config, ConfigError, load_config, parse_endpoint
-from .demo import start_pair
-from .metrics_share import MetricsShare, mark_dead
-from .proxy import Proxy
-from .server import HttpServer, Limits
+from . import __version__
+from .config.flags import SHORT_USAGE
+from .config.settings import (
+    SETTINGS,
+    Config,
+    ConfigError,
+    load_config,
+    parse_endpoint,
+    setting_name,
+)
+from .demo.backend import start_pair
+from .demo.options import pair_options
+from .downstream.server import HttpServer, Limits
+from .observability import logs
+from .observability.share import MetricsShare, mark_dead
+from .proxy.handler import Proxy
 from .tls import ServerCertificate, TrustStore, TrustUnavailable
 from .workers import Supervisor
 
@@ -81,6 +91,7 @@ def version_text() -> str:
 def limits_of(config: Config) -> Limits:
     return Limits(max_header_bytes=config.max_header_bytes, max_body_bytes=config.max_body_bytes,
                   header_timeout=config.header_timeout,
+                  tls_handshake_timeout=config.tls_handshake_timeout,
                   keepalive_timeout=config.keepalive_timeout,
                   max_connections=config.max_connections)
 
@@ -90,7 +101,7 @@ async def serve(config: Config, listeners: Listeners, ready: asyncio.Future[int]
     """Run one proxy process until a signal drains it; return the exit status."""
     demo = None
     if config.demo:
-        demo = await start_pair()
+        demo = await start_pair(**pair_options(config.demo_args))  # checked at start
         config = dataclasses.replace(
             config, prefill=(parse_endpoint(demo[0].url + f"#bootstrap_port="
                                             f"{demo[0].bootstrap_port}"),),
@@ -203,8 +214,9 @@ def _run(config: Config, listeners: Listeners, share: MetricsShare | None = None
         if UVLOOP_FACTORY is not None:
             loop_factory = UVLOOP_FACTORY
         elif config.loop == "uvloop":
-            print("lowproxy: PD_PROXY_LOOP: uvloop is not installed "
-                  "(pip install 'lowproxy[fast]')", file=sys.stderr)
+            logs.start_error("PD_PROXY_LOOP: uvloop is not installed (pip install "
+                             "'lowproxy[fast]')", config.log_format == "json",
+                             setting="PD_PROXY_LOOP")
             return 2
     loop = loop_factory()
     asyncio.set_event_loop(loop)
@@ -225,6 +237,7 @@ def _run_workers(config: Config, listeners: Listeners) -> int:
     config = dataclasses.replace(config, port=port)
 
     def run_worker(index: int, seq: int) -> int:
+        logs.configure(config.log_level, config.log_format, worker=index)  # in the fork
         return _run(config, listeners, MetricsShare(directory, seq), worker=index)
 
     supervisor = Supervisor(config.workers, run_worker, lambda seq: mark_dead(directory, seq))
@@ -239,16 +252,25 @@ def _run_workers(config: Config, listeners: Listeners) -> int:
 # -- start-up checks: each raises StartError with one line
 
 
-def check_start(config: Config) -> None:
-    """Settings that parse but cannot work together, and files that cannot be used."""
+def check_start(config: Config, name: Callable[[str], str] = setting_name()) -> None:
+    """Settings that parse but cannot work together, and files that cannot be used.
+
+    ``name(field)`` is how the line names a setting: its flag when that was given."""
     if config.metrics_port and config.metrics_port == config.port:
-        raise StartError(f"PD_PROXY_METRICS_PORT {config.metrics_port} is the main port "
-                         "(PD_PROXY_PORT): choose another one")
+        raise StartError(f"{name('metrics_port')} {config.metrics_port} is the main port "
+                         f"({name('port')}): choose another one")
     if bool(config.tls_cert_file) != bool(config.tls_key_file):
-        raise StartError("PD_PROXY_TLS_CERT_FILE and PD_PROXY_TLS_KEY_FILE go together")
+        raise StartError(f"{name('tls_cert_file')} and {name('tls_key_file')} go together")
+    if config.demo_args and not config.demo:
+        raise StartError(f"{name('demo_args')} is set, but not --demo")
+    if config.demo:
+        try:
+            pair_options(config.demo_args)
+        except ValueError as exc:
+            raise StartError(f"{name('demo_args')}: {exc}") from None
     if config.tls_client_ca_file and not config.tls_cert_file:
-        raise StartError("PD_PROXY_TLS_CLIENT_CA_FILE needs PD_PROXY_TLS_CERT_FILE and "
-                         "PD_PROXY_TLS_KEY_FILE (mTLS is on the HTTPS port)")
+        raise StartError(f"{name('tls_client_ca_file')} needs {name('tls_cert_file')} and "
+                         f"{name('tls_key_file')} (mTLS is on the HTTPS port)")
     try:
         if config.ca_file:
             TrustStore(config.ca_file).context()
@@ -263,13 +285,14 @@ def server_certificate(config: Config) -> ServerCertificate:
                              config.tls_client_ca_file)
 
 
-def bind(host: str, port: int, setting: str) -> socket.socket:
+def bind(host: str, port: int, setting: str, host_setting: str = "PD_PROXY_HOST"
+         ) -> socket.socket:
     """Bind and listen on host:port, without SO_REUSEPORT: the port is ours alone."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
-        raise StartError(f"cannot listen on {host}:{port} (PD_PROXY_HOST: "
+        raise StartError(f"cannot listen on {host}:{port} ({host_setting}: "
                          f"{exc.strerror})") from None
     sock = socket.socket(family, kind, proto)
     try:
@@ -283,18 +306,19 @@ def bind(host: str, port: int, setting: str) -> socket.socket:
         if exc.errno == errno.EADDRINUSE:
             reason = f"{setting}: address in use (another process listens there)"
         else:
-            reason = f"PD_PROXY_HOST: {exc.strerror or exc}"
+            reason = f"{host_setting}: {exc.strerror or exc}"
         raise StartError(f"cannot listen on {host}:{port} ({reason})") from None
     sock.set_inheritable(False)
     return sock
 
 
-def open_listeners(config: Config) -> Listeners:
-    main = bind(config.host, config.port, "PD_PROXY_PORT")
+def open_listeners(config: Config, name: Callable[[str], str] = setting_name()) -> Listeners:
+    main = bind(config.host, config.port, name("port"), name("host"))
     if not config.metrics_port:
         return Listeners(main)
     try:
-        return Listeners(main, bind(config.host, config.metrics_port, "PD_PROXY_METRICS_PORT"))
+        return Listeners(main, bind(config.host, config.metrics_port, name("metrics_port"),
+                                    name("host")))
     except StartError:
         main.close()
         raise
@@ -325,11 +349,25 @@ def warn_otel_without_sdk(config: Config) -> None:
                     "opentelemetry-distro and an exporter installed)")
 
 
+def json_requested(argv: list[str] | None, environ: Mapping[str, str]) -> bool:
+    """Whether start errors are JSON lines, read before (or without) a whole Config:
+    PD_PROXY_LOG_FORMAT or --log-format as given, whatever else failed to parse."""
+    args = sys.argv[1:] if argv is None else argv
+    value = environ.get("PD_PROXY_LOG_FORMAT", "")
+    for index, arg in enumerate(args):
+        if arg == "--log-format" and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith("--log-format="):
+            value = arg.partition("=")[2]
+    return value.strip().lower() == "json"
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config, args = load_config(argv)
     except ConfigError as exc:
-        print(f"lowproxy: {exc}", file=sys.stderr)
+        logs.start_error(str(exc), json_requested(argv, os.environ), setting=exc.setting,
+                         usage=SHORT_USAGE if exc.usage else "")
         return 2
     if args.version:
         print(version_text())
@@ -337,10 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(config.log_level, config.log_format)
     warn_unknown_variables(os.environ)
     try:
-        check_start(config)
-        listeners = open_listeners(config)
+        name = setting_name(args)
+        check_start(config, name)
+        listeners = open_listeners(config, name)
     except StartError as exc:
-        print(f"lowproxy: {exc}", file=sys.stderr)
+        logs.start_error(str(exc), config.log_format == "json")
         return 2
     warn_otel_without_sdk(config)
     try:

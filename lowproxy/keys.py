@@ -140,7 +140,11 @@ def matches_any(token: bytes | None, keys: tuple[bytes, ...]) -> bool:
 
 
 class ClientKeys:
-    """The keys clients must present as ``authorization: Bearer <key>``."""
+    """The keys clients must present as ``authorization: Bearer <key>``.
+
+    On the Anthropic surface ``x-api-key: <key>`` (what the Anthropic SDKs send)
+    is taken too; the proxy never forwards it (headers.py's allow list).
+    """
 
     __slots__ = ("source",)
 
@@ -151,8 +155,11 @@ class ClientKeys:
     def required(self) -> bool:
         return self.source.configured
 
-    def allows(self, authorization: bytes | None) -> bool:
-        return matches_any(bearer_token(authorization), self.source.keys())
+    def allows(self, authorization: bytes | None, api_key: bytes | None = None) -> bool:
+        keys = self.source.keys()
+        if matches_any(bearer_token(authorization), keys):
+            return True
+        return api_key is not None and matches_any(api_key.strip() or None, keys)
 
 
 __all__ = ["BackendKey", "ClientKeys", "KeySource", "bearer_token", "matches_any", "read_keys"]

@@ -26,6 +26,11 @@ COMPLETIONS = "completions"
 RESPONSES = "responses"
 MESSAGES = "messages"
 GENERATE = "generate"
+# SGLang's native POST /generate (text or input_ids, sampling_params): a
+# generation surface only under PD_PROXY_KV_PROTOCOL=sglang, where a decode
+# refuses it without a bootstrap room; elsewhere it is passed through.
+SGLANG_GENERATE = "sglang-generate"
+SGLANG_GENERATE_SUFFIX = "/generate"
 
 GENERATION_ROUTES: tuple[tuple[str, str], ...] = (
     ("/chat/completions", CHAT),          # OpenAI chat
@@ -40,11 +45,24 @@ DECODE_ONLY_SUFFIXES = ("/embeddings", "/pooling", "/classify", "/score", "/rera
                         "/tokenize", "/detokenize")
 
 
-def surface_of(path: str) -> str | None:
-    """The generation surface a POST to ``path`` is, or None."""
+# The Anthropic Messages surface (vLLM serves both): its clients send x-api-key
+# and read Anthropic's error shape.
+ANTHROPIC_SUFFIXES = ("/messages", "/messages/count_tokens")
+
+
+def speaks_anthropic(path: str) -> bool:
+    """Whether a request to ``path`` is on the Anthropic surface (its keys, its errors)."""
+    return path.endswith(ANTHROPIC_SUFFIXES)
+
+
+def surface_of(path: str, sglang: bool = False) -> str | None:
+    """The generation surface a POST to ``path`` is, or None (``sglang``: the
+    configured handshake is SGLang's, whose native /generate is one too)."""
     for suffix, surface in GENERATION_ROUTES:
         if path.endswith(suffix):
             return surface
+    if sglang and path.endswith(SGLANG_GENERATE_SUFFIX):
+        return SGLANG_GENERATE
     return None
 
 
@@ -56,7 +74,7 @@ def admin_action(path: str) -> str | None:
     return None
 
 
-def classify(method: bytes, path: str) -> str:
+def classify(method: bytes, path: str, sglang: bool = False) -> str:
     if admin_action(path) is not None:
         return ADMIN  # whatever the method: the admin path is never forwarded
     if method in (b"GET", b"HEAD"):
@@ -67,6 +85,6 @@ def classify(method: bytes, path: str) -> str:
         if path == "/metrics":
             return METRICS
         return PASSTHROUGH
-    if method == b"POST" and surface_of(path) is not None:
+    if method == b"POST" and surface_of(path, sglang) is not None:
         return GENERATION
     return PASSTHROUGH

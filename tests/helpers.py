@@ -23,8 +23,8 @@ import h11
 from lowproxy.config import Config, parse_endpoint
 from lowproxy.daemon import limits_of
 from lowproxy.demo import DemoBackend, start_pair
+from lowproxy.downstream import HttpServer
 from lowproxy.proxy import Proxy
-from lowproxy.server import HttpServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT = "/v1/chat/completions"  # the path most tests send to
@@ -161,8 +161,12 @@ async def running_proxy(config: Config, resolver: Any = None) -> AsyncIterator[R
 @contextlib.asynccontextmanager
 async def pd_setup(kv_protocol: str = "relay", ranks: int = 1, **overrides: Any
                    ) -> AsyncIterator[tuple[RunningProxy, DemoBackend, DemoBackend]]:
-    """Demo prefill and decode backends and a proxy in front of them."""
-    prefill, decode = await start_pair(ranks=ranks)
+    """Demo prefill and decode backends and a proxy in front of them.
+
+    Under sglang they are strict SGLang PD servers: the decode refuses a leg
+    without bootstrap_room, as SGLang's does.
+    """
+    prefill, decode = await start_pair(ranks=ranks, sglang_pd=kv_protocol == "sglang")
     prefill_url = f"{prefill.url}#bootstrap_port={prefill.bootstrap_port}"
     overrides.setdefault("mooncake_bootstrap_port", prefill.bootstrap_port)
     try:

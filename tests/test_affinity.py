@@ -8,7 +8,7 @@ import random
 import subprocess
 import sys
 
-from lowproxy.affinity import (
+from lowproxy.routing.affinity import (
     PREFIX_KEY_BYTES,
     Ring,
     choose_bounded,
@@ -26,7 +26,7 @@ def chat_body(system: str, *turns: str) -> dict:
 
 def test_the_hash_is_the_same_in_every_process():
     # Python's hash() of bytes is salted per process (PYTHONHASHSEED); this is not.
-    code = "from lowproxy.affinity import stable_hash; print(stable_hash(b'lowproxy'))"
+    code = "from lowproxy.routing.affinity import stable_hash; print(stable_hash(b'lowproxy'))"
     seen = {subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                            text=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout.strip()
             for seed in ("1", "2")}

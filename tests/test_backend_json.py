@@ -14,14 +14,14 @@ import json
 import pytest
 
 from helpers import CHAT, RawServer, chat, config_for, running_proxy
-from lowproxy.backend_json import (
+from lowproxy.demo import start_pair
+from lowproxy.handshakes.backend_json import (
     MAX_PREFILL_ANSWER_BYTES,
     BadAnswer,
     prefill_answer_kv,
     prefill_kv_params,
     query_engine_ids,
 )
-from lowproxy.demo import start_pair
 from lowproxy.handshakes.bootstrap import BootstrapError, parse_query_answer
 
 NIXL = {"do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [[1, 2], []],

@@ -12,8 +12,8 @@ import pytest
 import trustme
 
 from helpers import CHAT, chat, config_for, running_proxy, wait_until
-from lowproxy import backends
 from lowproxy.demo import DemoBackend, KvRegistry
+from lowproxy.routing import groups as backends
 
 
 @contextlib.asynccontextmanager

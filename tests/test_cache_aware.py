@@ -6,9 +6,9 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from lowproxy.cache_aware import PrefixIndex, choose, label_salt, rendezvous
-from lowproxy.engine_load import parse_orca, parse_prometheus
-from lowproxy.prefix_blocks import chain_of, prompt_blocks
+from lowproxy.routing.blocks import chain_of, prompt_blocks
+from lowproxy.routing.cache_aware import PrefixIndex, choose, label_salt, rendezvous
+from lowproxy.routing.engine_load import parse_orca, parse_prometheus
 
 
 def chat(*texts: str) -> dict:
@@ -28,7 +28,8 @@ def test_a_next_turn_extends_the_chain_of_the_one_before():
 
 def test_cold_placement_inputs_are_the_same_in_every_process():
     body = chat("y" * 300, "z")
-    code = ("from lowproxy.prefix_blocks import prompt_blocks; from lowproxy.cache_aware import "
+    code = ("from lowproxy.routing.blocks import prompt_blocks; "
+            "from lowproxy.routing.cache_aware import "
             f"label_salt; print(prompt_blocks('chat', {body!r}, 256).first, "
             "label_salt('http://a:1'))")
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lowproxy.chunked import ChunkedDecoder, ChunkedError
+from lowproxy.upstream.chunked import ChunkedDecoder, ChunkedError
 
 EVENTS = [b"data: {\"n\": %d}\n\n" % i for i in range(20)]
 BODY = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in EVENTS) + b"0\r\n\r\n"

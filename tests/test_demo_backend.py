@@ -17,7 +17,7 @@ import pytest
 
 from helpers import ROOT, request, wait_until
 from lowproxy.demo import DemoBackend, start_pair
-from lowproxy.demo_kv import EOS_TOKEN_ID, OUTPUT_TOKEN_BASE, render_messages, tokenize
+from lowproxy.demo.kv import EOS_TOKEN_ID, OUTPUT_TOKEN_BASE, render_messages, tokenize
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 RESPONSES, MESSAGES, GENERATE = "/v1/responses", "/v1/messages", "/inference/v1/generate"
@@ -311,13 +311,17 @@ async def test_sglang_decode_waits_for_its_room_and_abort_frees_it(stream):
                                                 sglang_body(7, "lowproxy-0001-a", stream=stream)))
         await wait_until(lambda: decode._inflight, what="decode waiting")
         assert not waiting.done()
-        abort = await request(decode.port, "POST", "/abort_request", {"rid": "lowproxy-0001"})
+        # SGLang 0.5.23 (one tokenizer worker) aborts the exact rid, not a prefix.
+        prefix = await request(decode.port, "POST", "/abort_request", {"rid": "lowproxy-0001"})
+        assert prefix.status == 200 and decode.aborted == [] and not waiting.done()
+        abort = await request(decode.port, "POST", "/abort_request",
+                              {"rid": "lowproxy-0001-a"})
         assert abort.status == 200 and abort.body == b""
         reply = await asyncio.wait_for(waiting, 2)
         assert reply.status == 200
         assert b'"finish_reason":{"type":"abort"' in reply.body
-        assert decode.abort_requests == ["lowproxy-0001"]
-        assert decode.aborted == ["lowproxy-0001-a"]  # matched by prefix
+        assert decode.abort_requests == ["lowproxy-0001", "lowproxy-0001-a"]
+        assert decode.aborted == ["lowproxy-0001-a"]  # matched exactly
 
 
 async def test_sglang_abort_of_another_rid_leaves_the_request_waiting():
@@ -598,7 +602,7 @@ def test_cli_help_describes_every_option():
                    "--max-model-len", "--enable-prompt-tokens-details", "--enable-scale-out",
                    "--relay-connector", "--eos-first", "--kv-wait-timeout", "--stream-chunks"):
         assert option in out
-    from lowproxy.demo_cli import parser
+    from lowproxy.demo.__main__ import parser
 
     assert all(action.help for action in parser()._actions)  # each option says what it does
 

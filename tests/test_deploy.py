@@ -2,7 +2,8 @@
 
 Every variable is a lowproxy setting whose value parses, every port and probe
 path is one the proxy serves, the .pyz is mounted where the command runs it,
-and the grace period outlasts the drain.
+and the grace period outlasts the drain. These read the kustomize base as
+written; tests/test_kustomize_overlays.py renders the base and its overlays.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from lowproxy.routes import HEALTH_PATHS
 
 DEPLOY = Path(ROOT) / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
+BASE = KUBERNETES / "base"
 SETTING_ENV = {setting.env for setting in SETTINGS}
 DEFAULTS = {setting.env: setting.default for setting in SETTINGS}
 IMAGE = "python:3.12-slim"
@@ -30,7 +32,9 @@ COMMAND = ["python3", "-I", "-S", PYZ_PATH]
 
 def documents() -> list[dict[str, Any]]:
     found = []
-    for path in sorted(KUBERNETES.glob("*.yaml")):
+    for path in sorted(BASE.glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
         with open(path) as handle:
             found += [doc for doc in yaml.safe_load_all(handle) if doc]
     return found
@@ -79,7 +83,7 @@ def test_every_variable_is_a_setting_and_its_value_parses() -> None:
     config, _ = load_config([], environ=env)  # raises ConfigError on a bad value
     assert config.host == "0.0.0.0"
     assert all(endpoint.discover for endpoint in config.prefill + config.decode)
-    assert config.ca_file
+    assert not config.ca_file  # plain-http backends as shipped (overlays/https-backends)
 
 
 def test_image_command_and_pyz_mount_agree() -> None:
@@ -102,13 +106,17 @@ def test_image_command_and_pyz_mount_agree() -> None:
 def test_container_port_is_the_configured_port_and_services_target_it() -> None:
     env = env_values()
     port = int(setting(env, "PD_PROXY_PORT"))
-    (http,) = container()["ports"]
+    ports = {p["name"]: p for p in container()["ports"]}
+    assert set(ports) == {"http", "metrics"}
+    http = ports["http"]
     assert http["containerPort"] == port
+    assert ports["metrics"]["containerPort"] == int(setting(env, "PD_PROXY_METRICS_PORT"))
     services = {s["metadata"]["name"]: s for s in of_kind("Service")}
     labels = deployment()["spec"]["template"]["metadata"]["labels"]
     (service,) = [s for s in services.values() if s["spec"].get("clusterIP") != "None"]
     assert service["spec"]["selector"].items() <= labels.items()
     assert deployment()["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    # Clients only: /metrics labels name backends, so the metrics port stays off it.
     (service_port,) = service["spec"]["ports"]
     assert service_port["targetPort"] in (http["name"], port)
 
@@ -153,17 +161,6 @@ def test_pod_is_non_root_read_only_and_bounded() -> None:
     assert pod["enableServiceLinks"] is False  # no injected *_PORT variables
     for bound in ("requests", "limits"):
         assert {"cpu", "memory"} <= set(spec["resources"][bound])
-
-
-def test_ca_file_comes_from_a_mounted_secret() -> None:
-    ca_file = env_values()["PD_PROXY_CA_FILE"]
-    volumes = {v["name"]: v for v in deployment()["spec"]["template"]["spec"]["volumes"]}
-    mounts = [m for m in container()["volumeMounts"]
-              if ca_file.startswith(m["mountPath"].rstrip("/") + "/")]
-    (mount,) = mounts
-    secret = volumes[mount["name"]]["secret"]
-    relative = ca_file[len(mount["mountPath"].rstrip("/")) + 1:]
-    assert relative in [item["path"] for item in secret["items"]]
 
 
 def test_admin_key_comes_from_a_secret_not_a_literal() -> None:
@@ -213,7 +210,8 @@ def test_readme_commands_match_the_manifests() -> None:
             f"--from-file=lowproxy.pyz={DEFAULT_OUTPUT}") in readme
     assert f"python -m lowproxy.pack -o {DEFAULT_OUTPUT}" in readme
     assert "kubectl create secret generic lowproxy-upstream-ca --from-file=ca.crt=" in readme
-    assert "kubectl apply -f deploy/kubernetes/" in readme
+    assert "kubectl apply -k deploy/kubernetes/base" in readme
+    assert "kubectl apply -f deploy/kubernetes/" not in readme
 
 
 def test_readme_mentions_only_real_settings() -> None:

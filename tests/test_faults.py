@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from helpers import CHAT, ScriptedBackend, chat, config_for, pd_setup, running_proxy, wait_until
-from lowproxy.messages import AbortResponse
+from lowproxy.downstream import AbortResponse
 
 
 def client_for(port: int) -> openai.AsyncOpenAI:

@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from lowproxy.backends import BackendGroup, PrefillTargetAllowList, split_host_port
 from lowproxy.config import ConfigError, EndpointSpec, load_config, parse_endpoint
 from lowproxy.handshakes import bootstrap
 from lowproxy.handshakes.bootstrap import (
@@ -17,6 +16,7 @@ from lowproxy.handshakes.bootstrap import (
     parse_query_answer,
 )
 from lowproxy.handshakes.legs import mooncake_bodies, sglang_body
+from lowproxy.routing.groups import BackendGroup, PrefillTargetAllowList, split_host_port
 from lowproxy.upstream import Endpoint
 
 CLIENT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,

@@ -26,8 +26,12 @@ from helpers import (
     request,
     running_proxy,
 )
-from lowproxy.client_body import PROXY_OWNED_FIELDS, without_client_kv, without_proxy_owned
 from lowproxy.demo import start_pair
+from lowproxy.handshakes.client_body import (
+    PROXY_OWNED_FIELDS,
+    without_client_kv,
+    without_proxy_owned,
+)
 
 
 def only(raw: bytes):

@@ -1,7 +1,7 @@
 """A fence around the httpcore internals lowproxy's upstream fast path relies on.
 
 lowproxy uses httpcore's AsyncHTTP11Connection below its pool and bends it in
-ways httpcore does not promise (see lowproxy/upstream.py):
+ways httpcore does not promise (see lowproxy/upstream/stream.py):
 
 - ``_state_lock`` is replaced by a lock that never waits, so that closing a
   response never suspends (cleanup in a cancelled task's finally);
@@ -18,7 +18,7 @@ ways httpcore does not promise (see lowproxy/upstream.py):
 
 Each test names the internal it pins: when an httpcore release changes one,
 the failure says which, and the upper bound in pyproject.toml must stay below
-that release until upstream.py is adapted. Everything runs over real sockets.
+that release until upstream/stream.py is adapted. Everything runs over real sockets.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import h11
 import httpcore
 import pytest
 
-from lowproxy.netstream import AsyncioBackend, AsyncioStream, H11Client, http11_connection
+from lowproxy.upstream.stream import AsyncioBackend, AsyncioStream, H11Client, http11_connection
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\n"
 CHUNKED = HEAD + b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
@@ -43,8 +43,8 @@ LENGTH = HEAD + b"content-length: 5\r\n\r\nhello"
 
 def fence(condition: object, internal: str, what: str) -> None:
     assert condition, (f"httpcore {httpcore.__version__} changed {internal}: {what}. "
-                       "lowproxy/upstream.py relies on it; keep httpcore's upper bound "
-                       "below this release until upstream.py is adapted.")
+                       "lowproxy/upstream/stream.py relies on it; keep httpcore's upper bound "
+                       "below this release until stream.py is adapted.")
 
 
 def never_suspends(coro: Coroutine[Any, Any, Any]) -> bool:

@@ -9,8 +9,8 @@ from typing import Any, AsyncIterator
 import pytest
 
 from helpers import CHAT, ScriptedBackend, chat, config_for, free_port, running_proxy, wait_until
-from lowproxy import admin
 from lowproxy.demo import DemoBackend, start_pair
+from lowproxy.proxy import admin
 
 ADMIN = [("x-admin-api-key", "adm")]
 

@@ -40,7 +40,8 @@ def bearer(key: str) -> list[tuple[str, str]]:
 async def keyed_setup(backend_key: str | None = BACKEND_KEY, **overrides: Any
                       ) -> AsyncIterator[tuple[RunningProxy, DemoBackend, DemoBackend]]:
     """Demo backends started with --api-key (when given) and a proxy in front."""
-    prefill, decode = await start_pair(api_key=backend_key)
+    prefill, decode = await start_pair(api_key=backend_key,
+                                       sglang_pd=overrides.get("kv_protocol") == "sglang")
     overrides.setdefault("mooncake_bootstrap_port", prefill.bootstrap_port)
     prefill_url = f"{prefill.url}#bootstrap_port={prefill.bootstrap_port}"
     try:

@@ -15,8 +15,8 @@ import logging
 import pytest
 
 from helpers import chat, config_for, free_port, pd_setup, running_proxy
-from lowproxy.client_body import BodyError, parse_client_body, without_client_kv
 from lowproxy.demo import DemoBackend
+from lowproxy.handshakes.client_body import BodyError, parse_client_body, without_client_kv
 from lowproxy.handshakes.legs import relay_decode_body, relay_prefill_body, serialise
 
 PREFILL_KV = {"do_remote_decode": True, "do_remote_prefill": False}

@@ -29,7 +29,7 @@ from helpers import (
     wait_until,
 )
 from lowproxy.config import Config, load_config
-from lowproxy.netstream import READ_HIGH_WATER, _StreamProtocol
+from lowproxy.upstream.stream import READ_HIGH_WATER, _StreamProtocol
 
 LIMITS = dict(max_header_bytes=4096, max_body_bytes=4096)
 

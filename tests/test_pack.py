@@ -25,14 +25,14 @@ from helpers import ROOT, Daemon, chat, request
 from lowproxy import __version__
 from lowproxy.demo import start_pair
 from lowproxy.pack import DEFAULT_OUTPUT, size_kib
-from lowproxy.pack_markers import (
+from lowproxy.pack.markers import (
     PackError,
     marker_applies,
     normalize,
     parse_requirement,
     target_environment,
 )
-from lowproxy.pack_sources import ROOT_REQUIREMENTS, SUPPORTED, needed_distributions
+from lowproxy.pack.sources import ROOT_REQUIREMENTS, SUPPORTED, needed_distributions
 
 ONE_MIB = 1024 * 1024
 
@@ -141,9 +141,9 @@ def test_contents_fixed_metadata_and_no_bytecode(pyz: Path) -> None:
     assert {info.compress_type for info in infos} == {zipfile.ZIP_DEFLATED}
     assert "__main__.py" in names and "lowproxy/daemon.py" in names
     assert "lowproxy/handshakes/mooncake.py" in names
-    # The build tool (pack.py and its pack_* helpers) stays out of the build.
+    # The build tool (lowproxy/pack/) stays out of the build.
     assert not [n for n in names if n.startswith("lowproxy/pack")]
-    assert "lowproxy/pack_sources.py" not in names
+    assert "lowproxy/pack/sources.py" not in names
     assert not [n for n in names if n.endswith((".pyc", ".pyo")) or "__pycache__" in n]
     assert not [n for n in names if "/tests/" in n or n.startswith("tests/")]
     for package in ("h11/", "httpcore/", "anyio/", "idna/", "certifi/", "exceptiongroup/"):

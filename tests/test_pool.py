@@ -17,7 +17,7 @@ import trustme
 from helpers import CHAT, chat, config_for, running_proxy, wait_until
 from lowproxy.config import load_config
 from lowproxy.demo import DemoBackend
-from lowproxy.server import HttpServer
+from lowproxy.downstream import HttpServer
 
 
 class Accepted:

@@ -92,20 +92,20 @@ async def test_prefill_slower_than_decode_still_succeeds():
         assert proxy.proxy.metrics.prefill_legs.get("sglang", "ok") == 1
 
 
-async def test_failed_prefill_closes_decode_and_recomputes_without_bootstrap_fields():
+async def test_failed_prefill_is_a_502_and_closes_and_aborts_decode():
+    """Issue 19: the default recompute policy does not send decode alone under sglang
+    (an SGLang decode refuses a leg without a room: it cannot recompute)."""
     async with pd_setup("sglang") as (proxy, prefill, decode):
         prefill.faults.status = 503
         reply = await proxy.request("POST", CHAT, chat(stream=True))
-        assert reply.status == 200 and reply.complete, reply.body
-        first, second = decode.requests_to("/chat/completions")
-        assert "bootstrap_room" in first.body
-        assert not any(field in second.body for field in BOOTSTRAP_FIELDS)
-        assert second.body["max_tokens"] == 4 and second.body["stream"] is True
+        assert reply.status == 502 and reply.json()["error"]["type"] == "prefill_failed"
+        [only] = decode.requests_to("/chat/completions")
+        assert "bootstrap_room" in only.body
         # The held decode leg is closed and aborted by the rid both legs carried.
-        rid = first.body["rid"]
+        rid = only.body["rid"]
         assert rid.startswith("lowproxy-") and len(rid) == 41
         await wait_until(lambda: decode.abort_requests == [rid], what="decode leg aborted")
-        assert proxy.proxy.metrics.prefill_legs.get("sglang", "recompute") == 1
+        assert proxy.proxy.metrics.prefill_legs.get("sglang", "recompute") == 0
 
 
 async def test_hung_prefill_with_decode_waiting_for_ever():
@@ -113,8 +113,8 @@ async def test_hung_prefill_with_decode_waiting_for_ever():
         prefill.faults.hang = True
         decode.kv_wait_timeout = None
         reply = await proxy.request("POST", CHAT, chat(), timeout=10)
-        assert reply.status == 200, reply.body
-        assert len(decode.requests_to("/chat/completions")) == 2
+        assert reply.status == 502 and reply.json()["error"]["type"] == "prefill_failed"
+        assert len(decode.requests_to("/chat/completions")) == 1
         await wait_until(lambda: decode.abandoned == 1, what="decode leg closed")
 
 
@@ -137,8 +137,9 @@ class _NoWait(KvRegistry):
 
 
 async def _eager_decode_setup(**overrides):
-    prefill = await DemoBackend("prefill").start()
-    decode = await DemoBackend("decode", registry=_NoWait()).start(bootstrap_port=None)
+    prefill = await DemoBackend("prefill", sglang_pd=True).start()
+    decode = await DemoBackend("decode", registry=_NoWait(), sglang_pd=True).start(
+        bootstrap_port=None)
     config = config_for(prefill.url, decode.url, kv_protocol="sglang", **overrides)
     return prefill, decode, config
 
@@ -159,16 +160,17 @@ async def test_decode_answer_is_held_until_prefill_succeeds():
         await decode.close()
 
 
-async def test_held_decode_answer_replaced_by_a_recompute():
+async def test_held_decode_answer_is_not_replaced_by_a_recompute():
+    """Under sglang the default recompute policy answers 502 too (issue 19)."""
     prefill, decode, config = await _eager_decode_setup()
     try:
         async with running_proxy(config) as proxy:
             prefill.faults.delay = 0.3
             prefill.faults.status = 500
             reply = await proxy.request("POST", CHAT, chat())
-            assert reply.status == 200, reply.body
-            first, second = decode.requests_to("/chat/completions")
-            assert "bootstrap_room" in first.body and "bootstrap_room" not in second.body
+            assert reply.status == 502, reply.body
+            [only] = decode.requests_to("/chat/completions")
+            assert "bootstrap_room" in only.body
     finally:
         await prefill.close()
         await decode.close()

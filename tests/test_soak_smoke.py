@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 from soak import generated_twice, summarise  # noqa: E402
 from soak_backends import SO_TIMESTAMPNS, FaultGate, FaultyBackend, GateLink, stray  # noqa: E402
-from soak_client import FAULTS, WIRE_FAULTS, Reply, Soak, chat_body  # noqa: E402
+from soak_client import FAULTS, WIRE_FAULTS, Reply, Soak, chat_body, hostile_usage  # noqa: E402
 
 
 def test_soak_for_five_seconds(tmp_path):
@@ -159,6 +159,16 @@ def test_a_request_crossed_the_stray_only_if_it_arrived_before_it_left() -> None
             gate_side.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
             link = SimpleNamespace(writer=SimpleNamespace(get_extra_info=lambda _: gate_side))
             assert not GateLink._crossed(link, time.time_ns())  # nothing came
+            # Linux turns receive stamps on lazily (a deferred static key): until it
+            # has, a packet is stamped when it is read, not when it came. Wait for it.
+            for _ in range(200):
+                proxy.sendall(b"x")
+                select.select([gate_side], [], [], 5)
+                stamped = GateLink._crossed(link, time.time_ns())
+                assert gate_side.recv(1) == b"x"
+                if stamped:
+                    break
+                time.sleep(0.01)
             before = time.time_ns()
             proxy.sendall(b"POST")
             select.select([gate_side], [], [], 5)
@@ -254,3 +264,18 @@ async def test_the_soak_fails_a_proxy_that_sends_a_post_twice(gate: FaultGate) -
     assert summary["generated_twice"] == 1 and not summary["ok"]
     assert summary["generated_twice_by_fault"] == {"decode_hangs_up": 1}
     assert summary["bad_by_fault"] == {"decode_hangs_up": {"unexpected": 1}}  # a 200, not 502
+
+
+def test_hostile_usage_is_judged_by_the_bytes_decode_sent():
+    """decode_hostile_usage: a usage the proxy changed is "answered wrong"; the same
+    answer with decode's bytes is served."""
+    usage = hostile_usage("s6")
+    assert "1e400" in usage  # the soak ids cycle through every shape; this one is huge
+    sent = (b'{"choices":[{"index":0,"message":{"content":"hostile"}}],"usage":'
+            + usage.encode() + b"}")
+    changed = sent.replace(b"1e400", b"Infinity")
+    soak = Soak(type("Args", (), {"faults": ["decode_hostile_usage"], "fault_rate": 1.0})(), 0)
+    headers = [(b"x-soak-id", b"s6")]
+    soak.judge("decode_hostile_usage", Reply(200, sent, True, headers), "s6", False)
+    soak.judge("decode_hostile_usage", Reply(200, changed, True, headers), "s6", False)
+    assert soak.outcomes["served"] == 1 and soak.outcomes["answered wrong"] == 1

@@ -17,8 +17,13 @@ import pytest
 
 from helpers import chat, config_for, running_proxy
 from lowproxy.demo import start_pair
+from lowproxy.handshakes.usage import (
+    cached_tokens_of,
+    prompt_tokens_of,
+    rewrite_body,
+    rewrite_events,
+)
 from lowproxy.routes import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES, classify, surface_of
-from lowproxy.usage import cached_tokens_of, rewrite_body, rewrite_events
 
 RESPONSES_PATH = "/v1/responses"
 MESSAGES_PATH = "/v1/messages"
@@ -28,7 +33,8 @@ LONG = " ".join(f"word{i}" for i in range(40))  # 40 tokens: two cacheable block
 
 @contextlib.asynccontextmanager
 async def cluster(kv_protocol: str = "mooncake", **overrides: Any):
-    prefill, decode = await start_pair(prompt_tokens_details=True, scale_out=True)
+    prefill, decode = await start_pair(prompt_tokens_details=True, scale_out=True,
+                                       sglang_pd=kv_protocol == "sglang")
     config = config_for(f"{prefill.url}#bootstrap_port={prefill.bootstrap_port}", decode.url,
                         kv_protocol=kv_protocol, **overrides)
     try:
@@ -134,12 +140,13 @@ async def test_requests_only_decode_can_serve_go_there_alone(path, body, reason)
         assert proxy.proxy.metrics.prefill_legs.get("mooncake", "skipped", reason) == 1
 
 
-async def test_sglang_sends_other_surfaces_to_decode_alone():
+async def test_sglang_splits_the_other_surfaces_too():
+    """Issue 19: an SGLang decode refuses a leg without a room, Messages included."""
     async with cluster("sglang") as (proxy, prefill, decode):
         reply = await proxy.request("POST", MESSAGES_PATH, messages_body())
         assert reply.status == 200, reply.body
-        assert prefill.requests_to(MESSAGES_PATH) == []
-        assert "bootstrap_room" not in decode.requests_to(MESSAGES_PATH)[0].body
+        [pf], [dc] = prefill.requests_to(MESSAGES_PATH), decode.requests_to(MESSAGES_PATH)
+        assert pf.body == dc.body and isinstance(dc.body["bootstrap_room"], int)
 
 
 async def test_openai_sdk_responses_create_and_stream():
@@ -223,6 +230,34 @@ async def test_chat_usage_reports_the_prefill_figure(rewrite):
                   if line.startswith(b"data: {") and b'"usage":{' in line]
         warm = last["usage"]["prompt_tokens_details"]["cached_tokens"]
         assert warm == (32 if rewrite else prompt)
+
+
+@pytest.mark.parametrize("surface, raw, prompt", [
+    (CHAT, {"usage": {"prompt_tokens": 9}}, 9),
+    (RESPONSES, {"usage": {"input_tokens": 7}}, 7),
+    # Anthropic's input_tokens leaves out the cached and the cache-creation parts.
+    (MESSAGES, {"usage": {"input_tokens": 3, "cache_read_input_tokens": 16,
+                          "cache_creation_input_tokens": 2}}, 21),
+    (MESSAGES, {"usage": {"input_tokens": 3, "cache_read_input_tokens": "x"}}, None),
+    (CHAT, {"usage": {"prompt_tokens": True}}, None), (GENERATE, {"usage": {}}, None),
+])
+def test_the_prefill_prompt_size_is_read_per_surface(surface, raw, prompt):
+    assert prompt_tokens_of(surface, raw) == prompt
+
+
+async def test_prefix_cache_counters_sum_the_prefill_figures():
+    """lowproxy_prefill_{prompt,cached}_tokens_total: the dashboard's hit rate."""
+    async with cluster("mooncake") as (proxy, prefill, decode):
+        body = {"model": "demo-model", "max_tokens": 2,
+                "messages": [{"role": "user", "content": LONG}]}
+        usages = [(await proxy.request("POST", "/v1/chat/completions", body)).json()["usage"]
+                  for _ in range(3)]
+        metrics = proxy.proxy.metrics
+        prompt = sum(usage["prompt_tokens"] for usage in usages)
+        cached = sum(usage["prompt_tokens_details"]["cached_tokens"] for usage in usages)
+        assert cached == 64  # cold, then two whole blocks twice
+        assert metrics.prefill_prompt_tokens.get("mooncake") == prompt
+        assert metrics.prefill_cached_tokens.get("mooncake") == cached
 
 
 async def test_responses_and_messages_usage_report_the_prefill_figure():

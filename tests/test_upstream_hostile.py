@@ -33,9 +33,8 @@ from helpers import (
     wait_until,
 )
 from lowproxy.config import Config, parse_endpoint
-from lowproxy.netstream import AsyncioBackend
 from lowproxy.tls import TrustStore
-from lowproxy.upstream import (
+from lowproxy.upstream.pool import (
     Endpoint,
     Upstream,
     UpstreamClosed,
@@ -44,6 +43,7 @@ from lowproxy.upstream import (
     UpstreamProtocolError,
     UpstreamResponse,
 )
+from lowproxy.upstream.stream import AsyncioBackend
 
 RESET = "reset"  # abort the connection (RST) without answering
 CLOSE = "close"  # close it (FIN) without answering more

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from helpers import CHAT, chat, pd_setup
-from lowproxy.failures import prefill_outcome
 from lowproxy.handshakes import relay
 from lowproxy.handshakes.legs import (
     mooncake_bodies,
@@ -19,6 +18,7 @@ from lowproxy.handshakes.legs import (
     relay_prefill_body,
 )
 from lowproxy.handshakes.rules import PREFILL_DROPPED, cannot_hand_off, decode_would_reject
+from lowproxy.proxy.failures import prefill_outcome
 from lowproxy.routes import surface_of
 
 COMPLETIONS = "/v1/completions"

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import Daemon, chat, follow_output, free_port, request, wait_until
 from lowproxy.demo import DemoBackend, KvRegistry
-from lowproxy.server import HttpServer
+from lowproxy.downstream import HttpServer
 
 
 def children_of(pid: int) -> list[int]:

@@ -14,10 +14,10 @@ from collections import OrderedDict
 from functools import partial
 from typing import Callable
 
-from ..backend_json import MAX_QUERY_ANSWER_BYTES, BadAnswer, query_engine_ids
-from ..config import EndpointSpec
+from ..config.settings import EndpointSpec
 from ..timeouts import deadline
-from ..upstream import Endpoint, Upstream, UpstreamError
+from ..upstream.pool import Endpoint, Upstream, UpstreamError
+from .backend_json import MAX_QUERY_ANSWER_BYTES, BadAnswer, query_engine_ids
 
 QUERY_TIMEOUT_SECONDS = 5.0  # as llm-d's sidecar and vLLM's own bound
 CACHE_ENTRIES = 1024

@@ -127,9 +127,12 @@ def mooncake_bodies(body: Body, transfer_id: str, engine_id: str,
     return prefill, decode
 
 
-def sglang_body(body: Body, bootstrap_host: str, bootstrap_port: int, room: int,
+def sglang_body(body: Body, bootstrap_host: str, bootstrap_port: int, room: int | list[int],
                 rid: str | None = None) -> Body:
     """SGLang PD: the same body to both legs plus the three bootstrap fields.
+
+    ``room``: one, or a list with one per request SGLang makes of a batch
+    (handshakes/sglang.py).
 
     ``rid``: the proxy's own request id on both legs (never the client's), so
     that either leg can be aborted by it (SGLang aborts by rid, prefix match).
@@ -176,7 +179,9 @@ class Plan:
     decode_body_for: Callable[[Any, Any], bytes] | None = None  # (kv params, token ids)
     prefill_failure: str | None = None
     skip_reason: str | None = None
-    abort_rid: str | None = None  # SGLang: the rid both legs carry, to abort them by
+    # SGLang: the rids each leg is served under (the proxy's own; one per child
+    # of a batch), to abort them by.
+    abort_rids: tuple[str, ...] = ()
     surface: str = CHAT  # routes.CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE
     # Called once the prefill leg has ended: the prefill's outstanding work is
     # released then, not when a stream that may last minutes ends.

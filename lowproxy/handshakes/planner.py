@@ -12,28 +12,33 @@ import random
 import uuid
 from typing import Any, Callable
 
-from ..config import Config
+from ..config.settings import Config
 from ..ids import Ids
-from ..routes import CHAT, COMPLETIONS
 from . import mooncake, relay, sglang
 from .bootstrap import BootstrapCache, BootstrapError
 from .legs import Body, Plan, decode_only_plan, serialise
 from .rules import SHORT, cannot_hand_off, too_short
 
-# What SGLang's PD serves with bootstrap fields; other surfaces go to decode alone.
-SGLANG_SURFACES = (CHAT, COMPLETIONS)
-NOT_ON_SGLANG = "not-on-sglang"
 DECODE_CACHED = "decode-cached"  # decode-first: decode holds all but a few tokens
 
 _rooms = random.SystemRandom()
 
 
+def _new_room() -> int:
+    return _rooms.getrandbits(sglang.ROOM_BITS)  # non-negative, fits SGLang's int64 room
+
+
 def skip_reason(config: Config, surface: str, body: Body, prompt_bytes: int | None
                 ) -> str | None:
-    """Why this request goes to decode alone although prefill is configured; else None."""
+    """Why this request goes to decode alone although prefill is configured; else None.
+
+    Never under sglang: an SGLang decode in disaggregation mode refuses every
+    request without a bootstrap room, so vLLM's decode-only rules (and the
+    short-prompt one) would only turn requests into decode's 400.
+    """
+    if config.kv_protocol == "sglang":
+        return None
     skipped = cannot_hand_off(surface, body)
-    if skipped is None and config.kv_protocol == "sglang" and surface not in SGLANG_SURFACES:
-        skipped = NOT_ON_SGLANG
     if skipped is None and too_short(prompt_bytes, config.min_prefill_prompt_bytes):
         skipped = SHORT
     return skipped
@@ -78,10 +83,9 @@ async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, surface
         return relay.plan(body, target, prefill, surface, config.forward_prompt_token_ids)
     if handshake == "sglang":
         port = prefill.spec.bootstrap_port or config.sglang_bootstrap_port
-        room = _rooms.getrandbits(63)  # non-negative, fits SGLang's int64 room id
         rid = f"lowproxy-{ids.next_hex()}"  # fixed width: no rid is a prefix of another
-        return sglang.plan(body, target, prefill, prefill.bootstrap_host, port, room, rid,
-                           surface)
+        return sglang.plan(body, target, prefill, prefill.bootstrap_host, port, _new_room,
+                           rid, surface)
     try:
         engines = await bootstrap.engines(prefill)
     except BootstrapError as exc:

@@ -1,0 +1,426 @@
+"""One client socket: h11 request cycles, one phase and its one timer, hang-up watcher.
+
+Cycles run in order (keep-alive and pipelining: a cycle finishes before the
+next request is parsed, as in uvicorn's h11 protocol). Each cycle reads the
+whole request body (bounded), hands a ClientRequest and a Responder to the
+handler, and ends the connection when the exchange cannot continue cleanly.
+
+Two phases of error: before a response has started the client gets a status
+and a JSON body; after it has started the connection is aborted, so a cut
+response never looks complete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from typing import Any, Awaitable, Callable
+
+import h11
+
+from ..answers import REASONS, bad_gateway, canned_response, error_body, internal_error
+from ..routes import speaks_anthropic
+from ..timeouts import deadline
+from .limits import Limits, origin_target, oversized_head_status, refusal
+from .messages import AbortResponse, ClientGone, ClientRequest, Headers, ResponseWriter
+from .responder import Responder
+
+log = logging.getLogger("lowproxy.server")
+
+READ_SIZE = 64 * 1024
+# A handler waiting on a backend longer than this starts watching its client for
+# a hang-up; the many exchanges that end sooner never pay for the watcher task.
+WATCH_AFTER = 0.05
+# After refusing a request, how long and how much of its remaining input to drop.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 4 * 1024 * 1024
+
+Handler = Callable[[ClientRequest, ResponseWriter], Awaitable[None]]
+
+
+class Phase(enum.Enum):
+    """Where a connection is; the phase decides what its one timer means."""
+
+    HEAD = "head"          # a request head is due: header timeout, then 408
+    BODY = "body"          # a request body is arriving: inactivity timeout, then 408
+    HANDLING = "handling"  # the handler runs: no timer (a generation may be long)
+    IDLE = "idle"          # keep-alive between requests: idle timeout, quiet close
+    REFUSED = "refused"    # a request was refused: lingering close follows
+    CLOSED = "closed"      # the client ended its side between requests
+    GONE = "gone"          # the client left mid-request, or a handler dropped it: abort
+
+
+_FINAL = (Phase.REFUSED, Phase.CLOSED, Phase.GONE)
+_DUE_408 = (Phase.HEAD, Phase.BODY)
+
+
+class ClientConnection:
+    """One client socket: the h11 state, its phase and timer, and its request cycles."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 handler: Handler, limits: Limits, is_draining: Callable[[], bool]) -> None:
+        self.reader = reader
+        self.writer = writer
+        self.transport = writer.transport
+        self.handler = handler
+        self.limits = limits
+        self._is_draining = is_draining
+        # Cached: asyncio.get_running_loop() costs a getpid() syscall on 3.11.
+        self._loop = asyncio.get_running_loop()
+        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
+        self.phase = Phase.HEAD
+        self._timer: asyncio.TimerHandle | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._watch_later: asyncio.TimerHandle | None = None
+        self._pending: list[bytes] = []
+        self._head_bytes = 0
+        self._head_reads: list[bytes] | None = None  # this cycle's reads until its head
+        self._task: asyncio.Task[Any] | None = None
+
+    # -- the Wire a Responder writes through
+
+    @property
+    def draining(self) -> bool:
+        return self._is_draining()
+
+    @property
+    def gone(self) -> bool:
+        return self.phase is Phase.GONE
+
+    @property
+    def busy(self) -> bool:
+        """A request is being handled (a drain waits for it)."""
+        return self.phase is Phase.HANDLING
+
+    def write(self, data: bytes) -> None:
+        if self.transport.is_closing():
+            raise ClientGone()
+        self.transport.write(data)
+
+    async def drain(self) -> None:
+        if self.transport.is_closing():
+            raise ClientGone()
+        try:
+            await self.writer.drain()
+        except (ConnectionError, RuntimeError):
+            raise ClientGone() from None
+
+    def write_buffer_size(self) -> int:
+        return self.transport.get_write_buffer_size()
+
+    def drop(self) -> None:
+        self.phase = Phase.GONE
+        self.abort()
+
+    # -- the phase and its one timer
+
+    def _enter(self, phase: Phase, seconds: float | None = None) -> None:
+        """Move to ``phase`` (never out of a final one) and arm its timer, if any."""
+        self._disarm()
+        if self.phase in _FINAL and phase not in _FINAL:
+            return
+        self.phase = phase
+        if seconds is not None:
+            self._timer = self._loop.call_later(seconds, self._expired)
+
+    def _disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _expired(self) -> None:
+        self._timer = None
+        if self.phase in _DUE_408 and not self.transport.is_closing():
+            # RFC 9110 15.5.9: a 408 tells the client why before the close.
+            self.transport.write(canned_response(
+                408, error_body(408, "request not received in time", "request_timeout")))
+        self.close()
+
+    def close(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self) -> None:
+        self.transport.abort()
+
+    # -- reading, and watching for a hang-up while a handler waits
+
+    async def _read(self) -> bytes:
+        watcher = self._watcher
+        if watcher is not None:
+            # The watcher owns the pending read until it returns; take its bytes.
+            self._watcher = None
+            await watcher
+        if self._pending:
+            data = b"".join(self._pending)
+            self._pending.clear()
+            return data
+        if self.phase in (Phase.GONE, Phase.CLOSED):
+            return b""
+        try:
+            return await self.reader.read(READ_SIZE)
+        except (ConnectionError, OSError):
+            return b""
+
+    def watch_client(self) -> None:
+        """While a handler waits on a backend, read the socket to notice a hang-up.
+
+        A hang-up cancels the handler's task, which closes its upstream
+        exchange at once (a decode server aborts the request when its
+        connection drops). Bytes of a pipelined next request are kept for the
+        next cycle, up to the head limit; past that reading stops and TCP
+        pushes back. The watcher keeps its read pending after the cycle: the
+        next read awaits it rather than racing it.
+        """
+        if self._watcher is None and self._watch_later is None and not self.gone:
+            # Most exchanges end within WATCH_AFTER: they never pay for a task.
+            self._watch_later = self._loop.call_later(WATCH_AFTER, self._start_watching)
+
+    def _start_watching(self) -> None:
+        self._watch_later = None
+        if self.busy and self._watcher is None:
+            self._watcher = self._loop.create_task(self._watch())
+
+    async def _watch(self) -> None:
+        size = 0
+        while True:
+            try:
+                data = await self.reader.read(READ_SIZE)
+            except (ConnectionError, OSError):
+                data = b""
+            if not data:
+                if self.busy and self._task is not None:
+                    # Mid-request: the client left. Between requests, an EOF only
+                    # means no more requests; what we wrote still gets flushed.
+                    self.phase = Phase.GONE
+                    self._task.cancel()
+                elif self.phase not in _FINAL:
+                    self.phase = Phase.CLOSED
+                return
+            self._pending.append(data)
+            size += len(data)
+            if not self.busy or size > self.limits.max_header_bytes:
+                return
+
+    def _stop_watching(self) -> None:
+        self._cancel_watch_later()
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None and not watcher.done():
+            watcher.cancel()
+
+    def _cancel_watch_later(self) -> None:
+        if self._watch_later is not None:
+            self._watch_later.cancel()
+            self._watch_later = None
+
+    async def _next_event(self) -> Any:
+        conn = self.h11
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            data = await self._read()
+            self._head_bytes += len(data)
+            if self._head_reads is not None:
+                self._head_reads.append(data)
+            if data and self.phase is Phase.IDLE:
+                self._enter(Phase.HEAD, self.limits.header_timeout)
+            elif data and self.phase is Phase.BODY:
+                self._enter(Phase.BODY, self.limits.header_timeout)
+            conn.receive_data(data)
+
+    # -- request cycles
+
+    async def run(self) -> None:
+        self._task = asyncio.current_task()
+        limits = self.limits
+        first = True
+        try:
+            while not self.transport.is_closing():
+                if first:
+                    self._enter(Phase.HEAD, limits.header_timeout)
+                else:
+                    self._enter(Phase.IDLE, limits.keepalive_timeout)
+                first = False
+                if not await self._cycle():
+                    break
+                self.h11.start_next_cycle()
+        except ClientGone:
+            pass
+        except asyncio.CancelledError:
+            if not self.gone:
+                raise
+        except Exception:  # pragma: no cover - a bug; keep serving others
+            log.exception("connection failed")
+        finally:
+            self._disarm()
+            self._stop_watching()
+            if self.phase is Phase.REFUSED:
+                await self._linger_then_close()
+            self.abort() if self.gone else self.close()
+
+    async def _linger_then_close(self) -> None:
+        """After refusing a request, read and drop what the client still sends.
+
+        Closing a socket with unread input makes the kernel send a reset, which
+        can reach the client before our 413 or 400 and hide it. So the write
+        side is shut (the client sees the end of the response), and input is
+        drained for a bounded time before the close (as Apache's lingering
+        close does).
+        """
+        try:
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            drained = 0
+            async with deadline(LINGER_SECONDS):
+                while drained < LINGER_BYTES:
+                    data = await self._read()
+                    if not data:
+                        break
+                    drained += len(data)
+        except (TimeoutError, ConnectionError, OSError, RuntimeError):
+            pass
+
+    async def _cycle(self) -> bool:
+        """One request and its response; False when the connection must end."""
+        request = await self._receive_request()
+        if request is None:
+            return False
+        return await self._respond(request)
+
+    async def _receive_request(self) -> ClientRequest | None:
+        """The next request, head checked and body read; None once refused or closed."""
+        conn = self.h11
+        leftover = conn.trailing_data[0]
+        self._head_bytes = len(leftover)
+        self._head_reads = [leftover]
+        try:
+            event = await self._next_event()
+            head_reads, self._head_reads = self._head_reads, None
+            if isinstance(event, h11.ConnectionClosed):
+                return None
+            assert isinstance(event, h11.Request), event
+            # h11 parses a head that arrived whole whatever its size; its own
+            # limit only bounds a head still incomplete. Measure what it consumed.
+            head_size = self._head_bytes - len(conn.trailing_data[0])
+            refused = refusal(event, head_reads or [b""], head_size, self.limits)
+            if refused is not None:
+                status, message, kind, *extra = refused
+                await self._reject(status, message, kind, extra[0] if extra else None,
+                                   target=event.target)
+                return None
+            if conn.client_is_waiting_for_100_continue:
+                self.write(conn.send(h11.InformationalResponse(
+                    status_code=100, headers=[], reason=b"Continue")))
+                await self.drain()
+            body = await self._receive_body(event.target)
+        except h11.RemoteProtocolError as exc:
+            await self._reject_unparsable(exc)
+            return None
+        if body is None:
+            return None
+        self._disarm()
+        return ClientRequest(event.method, origin_target(event.target), list(event.headers),
+                             body, event.http_version)
+
+    async def _reject_unparsable(self, exc: h11.RemoteProtocolError) -> None:
+        status = exc.error_status_hint
+        if status >= 500:
+            # h11 hints 501 for a transfer coding other than chunked (RFC 9112
+            # 6.1). The request cannot be framed, which is the client's fault:
+            # nothing a client sends may earn a 5xx other than 505.
+            status = 400
+        if status == 431 and self._head_reads is not None \
+                and oversized_head_status(self._head_reads, self.limits) == 414:
+            # h11 folds the request line into its head limit: a long target is a 414.
+            await self._reject(414, "request target too long", "uri_too_long")
+        elif status == 431:
+            await self._reject(431, "request header fields too large", "header_too_large")
+        else:
+            await self._reject(status, f"malformed request: {str(exc) or 'unreadable'}",
+                               "bad_request")
+
+    async def _receive_body(self, target: bytes) -> bytes | None:
+        """The whole body, bounded; None once refused (413) or the client left."""
+        limits = self.limits
+        self._enter(Phase.BODY, limits.header_timeout)
+        parts: list[bytes] = []
+        size = 0
+        while True:
+            event = await self._next_event()
+            if isinstance(event, h11.Data):
+                size += len(event.data)
+                if size > limits.max_body_bytes:
+                    await self._reject(413, "request body too large", "request_too_large",
+                                       target=target)
+                    return None
+                parts.append(event.data)
+            elif isinstance(event, h11.EndOfMessage):
+                # h11 hands out bytearrays; a body is immutable bytes from here on
+                # (httpcore sends only bytes: a GET's body is forwarded as is).
+                return bytes(parts[0]) if len(parts) == 1 else b"".join(parts)
+            else:  # ConnectionClosed mid-body
+                return None
+
+    async def _respond(self, request: ClientRequest) -> bool:
+        """Run the handler; True when the connection can serve another request."""
+        conn = self.h11
+        responder = Responder(self, head=request.method == b"HEAD")
+        self._enter(Phase.HANDLING)
+        try:
+            await self.handler(request, responder)
+        except ClientGone:
+            raise
+        except AbortResponse:
+            # The handler logged why; a started response is cut, never completed.
+            if responder.started:
+                responder.flush()
+            else:
+                await responder.send_bytes(502, bad_gateway(speaks_anthropic(request.path)))
+            return False
+        except Exception:
+            log.exception("handler failed on %s %s", request.method.decode(), request.path)
+            if responder.started:
+                return False
+            await responder.send_bytes(500, internal_error(speaks_anthropic(request.path)))
+        finally:
+            if self.phase is Phase.HANDLING:
+                self.phase = Phase.IDLE  # the loop arms the idle timer next
+            self._cancel_watch_later()
+        if not responder.ended:
+            return False
+        if self.phase in _FINAL or conn.our_state is not h11.DONE \
+                or conn.their_state is not h11.DONE:
+            return False
+        if self._pending:
+            conn.receive_data(b"".join(self._pending))
+            self._pending.clear()
+        return True
+
+    async def _reject(self, status: int, message: str, kind: str,
+                      headers: Headers | None = None, target: bytes = b"") -> None:
+        """Answer a request we will not serve, then the connection closes.
+
+        The target, once its head is read, picks the surface's error shape."""
+        anthropic = speaks_anthropic(target.split(b"?", 1)[0].decode("latin-1"))
+        body = error_body(status, message, kind, anthropic=anthropic)
+        extra = b"".join(name + b": " + value + b"\r\n" for name, value in headers or ())
+        data = canned_response(status, body, extra)
+        if self.h11.our_state in (h11.IDLE, h11.SEND_RESPONSE):
+            try:
+                response = h11.Response(status_code=status, reason=REASONS.get(status, b""),
+                                        headers=[(b"content-type", b"application/json"),
+                                                 (b"content-length", str(len(body)).encode()),
+                                                 (b"connection", b"close"),
+                                                 *(headers or ())])
+                data = self.h11.send(response) + self.h11.send(h11.Data(data=body))
+                data += self.h11.send(h11.EndOfMessage())
+            except h11.LocalProtocolError:
+                data = canned_response(status, body, extra)
+        try:
+            self.write(data)
+            await self.drain()
+        except ClientGone:
+            return
+        self._enter(Phase.REFUSED)

@@ -1,0 +1,163 @@
+"""Usage that bills right: the prefill's cached prompt-token count in decode's answer.
+
+The prefill's own count of cached prompt tokens is the truth: a Mooncake
+decode reports the pulled prompt as cached, and NIXL decodes before vLLM 0.33
+report none. Pure functions on bytes and dicts; dispatch.py applies them only
+when the prefill reported a figure (PD_PROXY_REWRITE_CACHED_TOKENS).
+
+Streamed answers are rewritten only in the events that carry usage, found by
+a byte search before anything is parsed, so events without usage cost one
+``in`` test per read. Each event is expected whole within one read (vLLM
+writes one event per chunk); an event split across reads is passed on as is.
+
+A usage object of any other shape (a field of the wrong type, a figure that is
+not a non-negative integer) is one the proxy does not understand: its answer
+or event is relayed exactly as decode sent it, never "fixed". So is one that
+cannot be written back as the JSON it came as: Python's parser reads 1e400 as
+infinity (and takes NaN and Infinity literals), which json.dumps would write as
+the bare word Infinity, invalid JSON that strict parsers (serde_json, JSON.parse
+of other runtimes' SDKs) refuse.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ..routes import CHAT, COMPLETIONS, MESSAGES, RESPONSES
+
+Body = dict[str, Any]
+
+# What only an event carrying usage contains, per surface.
+STREAM_MARKERS: dict[str, tuple[bytes, ...]] = {
+    CHAT: (b'"prompt_tokens"',),
+    COMPLETIONS: (b'"prompt_tokens"',),
+    RESPONSES: (b'"response.completed"', b'"response.incomplete"'),
+    MESSAGES: (b'"message_start"', b'"message_delta"'),
+}
+
+
+def cached_tokens_of(surface: str, answer: Any) -> int | None:
+    """The cached prompt-token count a (prefill) answer reports, or None."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    if surface in (CHAT, COMPLETIONS):
+        details = usage.get("prompt_tokens_details")
+        value = details.get("cached_tokens") if isinstance(details, dict) else None
+    elif surface == RESPONSES:
+        details = usage.get("input_tokens_details")
+        value = details.get("cached_tokens") if isinstance(details, dict) else None
+    elif surface == MESSAGES:
+        value = usage.get("cache_read_input_tokens")
+    else:
+        return None
+    return value if _count(value) else None
+
+
+def prompt_tokens_of(surface: str, answer: Any) -> int | None:
+    """The prompt's whole token count a (prefill) answer reports, or None."""
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    if not isinstance(usage, dict):
+        return None
+    if surface in (CHAT, COMPLETIONS):
+        value = usage.get("prompt_tokens")
+    elif surface == RESPONSES:
+        value = usage.get("input_tokens")
+    elif surface == MESSAGES:  # input_tokens there excludes the cached part
+        parts = [usage.get(name) or 0 for name in
+                 ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")]
+        value = sum(parts) if all(_count(part) for part in parts) else None
+    else:
+        return None
+    return value if _count(value) else None
+
+
+def rewrite_usage(surface: str, usage: Any, cached: int) -> bool:
+    """Put ``cached`` in one usage object, in the surface's shape; False if not one.
+
+    Nothing is changed unless every figure used has the type vLLM gives it, so
+    a False answer leaves ``usage`` as it was.
+    """
+    if not isinstance(usage, dict):
+        return False
+    if surface in (CHAT, COMPLETIONS):
+        return _put_details(usage, "prompt_tokens", "prompt_tokens_details", cached)
+    if surface == RESPONSES:
+        return _put_details(usage, "input_tokens", "input_tokens_details", cached)
+    if surface != MESSAGES:
+        return False
+    if not _count(usage.get("input_tokens")):
+        return False  # message_delta without input figures: nothing to adjust
+    read, created = usage.get("cache_read_input_tokens"), usage.get("cache_creation_input_tokens")
+    if not all(value is None or _count(value) for value in (read, created)):
+        return False
+    created = created or 0
+    prompt = usage["input_tokens"] + (read or 0) + created
+    # input + cache read + cache creation still add up to the prompt.
+    usage["cache_read_input_tokens"] = min(cached, prompt - created)
+    usage["input_tokens"] = prompt - created - usage["cache_read_input_tokens"]
+    return True
+
+
+def _put_details(usage: Body, total: str, field: str, cached: int) -> bool:
+    """cached_tokens into usage[field] (an object, or absent), beside a count in usage[total]."""
+    details = usage.get(field)
+    if not _count(usage.get(total)) or not (details is None or isinstance(details, dict)):
+        return False
+    usage[field] = dict(details or {}, cached_tokens=cached)
+    return True
+
+
+def rewrite_body(surface: str, raw: bytes, cached: int) -> bytes | None:
+    """A non-streamed answer with the prefill's figure, or None to relay it as it is."""
+    answer = _object(raw)
+    if answer is None or not rewrite_usage(surface, answer.get("usage"), cached):
+        return None
+    return _finite_json(answer)
+
+
+def rewrite_events(surface: str, piece: bytes, cached: int) -> bytes:
+    """One read of a streamed answer with the figure put in its usage events."""
+    markers = STREAM_MARKERS.get(surface, ())
+    if not any(marker in piece for marker in markers):
+        return piece
+    lines = piece.split(b"\n")
+    for index, line in enumerate(lines):
+        if line.startswith(b"data: ") and any(marker in line for marker in markers):
+            event = _object(line[6:])
+            if event is not None and rewrite_usage(surface, _usage_in(surface, event), cached):
+                written = _finite_json(event)
+                if written is not None:
+                    lines[index] = b"data: " + written
+    return b"\n".join(lines)
+
+
+def _usage_in(surface: str, event: Body) -> Any:
+    if surface == RESPONSES:
+        response = event.get("response")
+        return response.get("usage") if isinstance(response, dict) else None
+    if surface == MESSAGES and event.get("type") == "message_start":
+        message = event.get("message")
+        return message.get("usage") if isinstance(message, dict) else None
+    return event.get("usage")
+
+
+def _object(raw: bytes) -> Body | None:
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _finite_json(value: Body) -> bytes | None:
+    """``value`` as compact JSON; None when it holds a number JSON cannot write."""
+    try:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+    except (ValueError, RecursionError):  # inf or nan (or too deep): leave decode's bytes
+        return None
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0

@@ -1,0 +1,480 @@
+"""Run a Plan: the one executor for every request that reaches a backend.
+
+Read top to bottom, as Go's ReverseProxy is: ``run`` opens decode's response
+(``_decode_response``: decode only, the legs in turn, or both at once with the
+commit point), then copies decode's answer to the client (``_copy_answer``).
+Every failure on the way is an exception of the Failure family, and one
+function, ``answer_failure``, decides its metric label, its log line and the
+client's answer. The prefill-failure policy (PD_PROXY_ON_PREFILL_FAILURE) is
+applied in one place, ``_without_kv``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Awaitable
+
+from .. import answers
+from ..config.settings import Config
+from ..downstream.messages import AbortResponse, ClientGone, Headers, ResponseWriter
+from ..handshakes.bootstrap import BootstrapCache
+from ..handshakes.legs import Plan
+from ..handshakes.usage import rewrite_body, rewrite_events
+from ..headers import client_response_head
+from ..observability import logs
+from ..observability.metrics import Metrics
+from ..routes import speaks_anthropic
+from ..routing.engine_load import ASK_ORCA, EngineLoads
+from ..routing.groups import BackendGroup
+from ..timeouts import deadline, first_done
+from ..upstream.pool import Endpoint, Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
+from .auxiliary_legs import (
+    BackgroundTasks,
+    decode_failed,
+    drop_decode,
+    send_abort,
+    send_prefill_leg,
+)
+from .exchange import Exchange
+from .failures import (
+    DecodeFailed,
+    DecodeTimedOut,
+    Failure,
+    NoDecode,
+    PrefillFailed,
+    PrefillRefused,
+    PrefillResult,
+    Truncated,
+)
+from .tracing import Tracing
+
+# A non-streamed answer whose usage is rewritten is read whole; larger is cut.
+MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
+
+log = logging.getLogger("lowproxy.exchange")
+
+
+class Dispatcher:
+    """Sends the legs of planned requests; owns the prefill legs left to finish."""
+
+    def __init__(self, config: Config, upstream: Upstream, prefill: BackendGroup,
+                 decode: BackendGroup, bootstrap: BootstrapCache, metrics: Metrics,
+                 tracing: Tracing | None) -> None:
+        self.config = config
+        self.upstream = upstream
+        self.prefill = prefill
+        self.decode = decode
+        self.bootstrap = bootstrap
+        self.metrics = metrics
+        self.tracing = tracing
+        self.background = BackgroundTasks()  # prefill legs left to finish, aborts
+        self.engine_loads: EngineLoads | None = None  # set by the proxy: ORCA reports
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.background.loop = loop
+
+    async def close(self, grace: float = 0.0) -> None:
+        """Prefill legs in flight get ``grace`` seconds, then are cancelled."""
+        await self.background.close(grace)
+
+    # -- the pipeline
+
+    async def run(self, exchange: Exchange, responder: ResponseWriter,
+                  planning: Awaitable[Plan]) -> None:
+        """Plan, open decode's response, copy it to the client; answer any failure.
+
+        ``planning`` is awaited here so that nothing up the stack keeps the
+        client's body: once decode's response is open the plan is dropped, and
+        a stream that lasts minutes holds no copy of the prompt.
+        """
+        try:
+            plan = await planning
+            if plan.skip_reason is not None:
+                exchange.skip_reason = plan.skip_reason
+                self.metrics.prefill_legs.inc(plan.handshake, "skipped", plan.skip_reason)
+            exchange.abort_rids = plan.abort_rids
+            response = await self._decode_response(exchange, responder, plan)
+            del plan
+            await self._copy_answer(exchange, responder, response)
+        except Failure as failure:
+            await self.answer_failure(exchange, responder, failure)
+
+    async def _decode_response(self, exchange: Exchange, responder: ResponseWriter,
+                               plan: Plan) -> UpstreamResponse:
+        """Decode's response head, once any prefill leg has committed."""
+        if plan.prefill is not None and plan.prefill_failure is None:
+            if plan.concurrent:
+                return await self._concurrent(exchange, responder, plan)
+            return await self._in_turn(exchange, responder, plan)
+        body = plan.decode_body
+        if plan.prefill_failure is not None:
+            # The prefill leg could not even be sent (no endpoint, no bootstrap map).
+            self.metrics.prefill_legs.inc(plan.handshake, "error")
+            logs.warn(log, f"prefill leg not sent: {plan.prefill_failure}", exchange.request_id,
+                      backend=plan.prefill.label if plan.prefill is not None else None,
+                      handshake=plan.handshake)
+            body = self._without_kv(exchange, plan, plan.prefill_failure)
+        return await self._open_decode_bounded(exchange, responder, plan.method,
+                                               plan.decode_target, body)
+
+    async def _in_turn(self, exchange: Exchange, responder: ResponseWriter,
+                       plan: Plan) -> UpstreamResponse:
+        """Relay: prefill answers first; decode's body carries its kv_transfer_params."""
+        result = await self._prefill_leg(exchange, plan, want_kv=True)
+        if result.ok and plan.decode_body_for is not None:
+            body = plan.decode_body_for(result.kv_transfer_params, result.prompt_token_ids)
+            exchange.prefill_cached_tokens = result.cached_tokens
+        else:
+            body = self._without_kv(exchange, plan, result)
+        return await self._open_decode_bounded(exchange, responder, plan.method,
+                                               plan.decode_target, body)
+
+    async def _concurrent(self, exchange: Exchange, responder: ResponseWriter,
+                          plan: Plan) -> UpstreamResponse:
+        """Mooncake and SGLang: both legs at once; decode's response after the commit point.
+
+        Decode cannot produce a token before the KV arrives, so holding its
+        response until prefill has answered 2xx costs nothing and means the
+        client never sees a response that cannot complete. If prefill fails,
+        the held decode connection is closed (vLLM aborts the request;
+        otherwise it would wait 480 s, or for ever before 0.30). The prefill
+        leg runs in a task of its own: a client that leaves aborts decode at
+        once, but a prefill leg in flight is left to finish (bounded by the
+        prefill timeout), since aborting it mid-transfer can leak KV blocks.
+        """
+        prefill_task = self.background.spawn(self._prefill_leg(exchange, plan, want_kv=False))
+        decode_task = self.background.running_loop().create_task(
+            self._open_decode(exchange, responder, plan.method, plan.decode_target,
+                              plan.decode_body))
+        prefill_closed = False
+        try:
+            async with deadline(self.config.decode_timeout):
+                # Wait for prefill, or for decode to fail first (then answer at once).
+                await first_done(self.background.running_loop(), prefill_task, decode_task)
+                if decode_failed(decode_task) and (not prefill_task.done()
+                                                   or decode_task.exception() is not None):
+                    # Decode raised, or answered an error while prefill still runs:
+                    # that is the client's answer, and prefill is not waited for.
+                    if not prefill_task.done():
+                        prefill_closed = self._close_prefill(exchange, plan, prefill_task)
+                    return await decode_task
+                result = (prefill_task.result() if prefill_task.done()
+                          else await asyncio.shield(prefill_task))
+                if result.ok:
+                    response = await decode_task
+                    # Committed: decode reads the KV prefill made.
+                    exchange.prefill_cached_tokens = result.cached_tokens
+                else:
+                    self._drop_decode(exchange, decode_task)
+                    body = self._without_kv(exchange, plan, result)
+                    exchange.decode_started = None  # a new decode leg, its own timeout
+                    response = await self._open_decode_bounded(
+                        exchange, responder, plan.method, plan.decode_target, body)
+        except TimeoutError:
+            self._drop_decode(exchange, decode_task)
+            raise DecodeTimedOut() from None
+        except BaseException:
+            # The client left, or decode failed: abort decode at once; a prefill
+            # still running is left to finish, unless it can be aborted by rid.
+            self._drop_decode(exchange, decode_task)
+            if not prefill_task.done() and not prefill_closed:
+                self._abort(exchange, plan.prefill, "prefill")
+            raise
+        return response
+
+    def _close_prefill(self, exchange: Exchange, plan: Plan,
+                       prefill_task: asyncio.Task[PrefillResult]) -> bool:
+        """Decode failed first: SGLang's prefill leg (which would wait for that
+        decode up to SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s) is aborted by
+        rid and closed; a vLLM one is left to finish, as aborting it
+        mid-transfer can leak KV blocks."""
+        if not plan.abort_rids:
+            return False
+        self._abort(exchange, plan.prefill, "prefill")
+        prefill_task.cancel()  # its connection is discarded: SGLang notices that too
+        return True
+
+    def _drop_decode(self, exchange: Exchange,
+                     task: asyncio.Task[UpstreamResponse]) -> None:
+        """Close a decode leg that will not be relayed, and abort it by rid (SGLang)."""
+        drop_decode(task)
+        if exchange.decode_endpoint is not None:
+            self._abort(exchange, exchange.decode_endpoint, "decode")
+
+    def _without_kv(self, exchange: Exchange, plan: Plan,
+                    failed: PrefillResult | str) -> bytes:
+        """The prefill-failure policy: decode recomputes the prompt, or the client gets 502.
+
+        A prefill that refused the request itself (400, 413, 422) is neither:
+        its answer goes to the client, as decode would fail the same way.
+        """
+        if isinstance(failed, PrefillResult):
+            if failed.outcome == "rejected":
+                raise PrefillRefused(failed.status, failed.body)
+            detail = failed.detail
+        else:
+            detail = failed
+        if self.config.on_prefill_failure == "error" or plan.handshake == "sglang":
+            # An SGLang decode in disaggregation mode refuses a request without a
+            # bootstrap room: it cannot recompute the prompt, whatever the policy.
+            raise PrefillFailed(detail)
+        self.metrics.prefill_legs.inc(plan.handshake, "recompute")
+        logs.warn(log, "decode will recompute the prompt without transferred KV",
+                  exchange.request_id, handshake=plan.handshake)
+        return plan.fallback_body()
+
+    # -- decode
+
+    async def _open_decode_bounded(self, exchange: Exchange, responder: ResponseWriter,
+                                   method: bytes, target: bytes,
+                                   body: bytes | None) -> UpstreamResponse:
+        try:
+            async with self._decode_deadline(exchange):
+                return await self._open_decode(exchange, responder, method, target, body)
+        except TimeoutError:
+            raise DecodeTimedOut() from None
+
+    async def _open_decode(self, exchange: Exchange, responder: ResponseWriter, method: bytes,
+                           target: bytes, body: bytes | None) -> UpstreamResponse:
+        """Send the decode leg; return once decode's response head has arrived.
+
+        Endpoints that refuse the connection are cooled down and the next one is
+        tried (nothing reached them, so nothing runs twice).
+        """
+        if exchange.decode_started is None:
+            exchange.decode_started = time.perf_counter()
+        tried: tuple[Endpoint, ...] = ()
+        last_error = "no decode backend configured"
+        while True:
+            endpoint = self._preferred_decode(exchange, tried)
+            if endpoint is None:
+                endpoint = self.decode.pick_least_loaded(tried, exchange.model)
+            if endpoint is None and not tried:
+                # All cooling down: try one anyway.
+                endpoint = self.decode.soonest_usable(exchange.model)
+            if endpoint is None:
+                raise NoDecode(last_error)
+            exchange.decode_endpoint = endpoint
+            exchange.decode_backend = endpoint.label  # named in every log line from here
+            try:
+                # PD_PROXY_DECODE_FIRST_BYTE_TIMEOUT_SECONDS bounds the wait for
+                # decode's response head (none by default: it waits for the KV).
+                async with deadline(self.config.decode_first_byte_timeout):
+                    # 1xx (103 Early Hints) go on to the client (RFC 9110 15.2).
+                    response = await self.upstream.request(
+                        endpoint, method, target, exchange.upstream_headers, body,
+                        on_informational=responder.informational)
+            except TimeoutError:
+                raise DecodeFailed(UpstreamTimeout(
+                    f"{endpoint.label} sent no response head within "
+                    f"{self.config.decode_first_byte_timeout:g}s", endpoint)) from None
+            except UpstreamError as exc:
+                if exc.reason == "untrusted":
+                    raise NoDecode(exc.detail) from None
+                if exc.reason != "unreachable":
+                    raise DecodeFailed(exc) from None
+                self.decode.cool_down(endpoint)
+                logs.warn(log, f"decode backend unreachable: {exc.detail}",
+                          exchange.request_id, backend=endpoint.label)
+                last_error = exc.detail
+                tried += (endpoint,)
+                continue
+            endpoint.cooldown_until = 0.0  # it answered: usable again (and ready)
+            return response
+
+    def _preferred_decode(self, exchange: Exchange,
+                          tried: tuple[Endpoint, ...]) -> Endpoint | None:
+        """The decode cache-aware routing chose (cache_router.py), while it can be used."""
+        preferred = exchange.decode_preferred
+        if preferred is None or preferred in tried or not preferred.usable(time.monotonic()) \
+                or preferred not in self.decode.endpoints:
+            return None
+        return self.decode.count_sent(preferred)
+
+    def _decode_deadline(self, exchange: Exchange) -> Any:
+        """What is left of PD_PROXY_DECODE_TIMEOUT_SECONDS for this decode leg.
+
+        No bound by default: a generation may stream for many minutes.
+        """
+        limit = self.config.decode_timeout
+        if limit is None or exchange.decode_started is None:
+            return deadline(limit)
+        return deadline(max(0.0, limit - (time.perf_counter() - exchange.decode_started)))
+
+    async def _copy_answer(self, exchange: Exchange, responder: ResponseWriter,
+                           response: UpstreamResponse) -> None:
+        """Relay an opened decode response within the decode timeout; always close it."""
+        try:
+            async with self._decode_deadline(exchange):
+                await self._relay(exchange, responder, response)
+        except TimeoutError:
+            raise DecodeTimedOut() from None
+        except (asyncio.CancelledError, ClientGone) as exc:
+            if isinstance(exc, ClientGone) or responder.client_gone:
+                self.metrics.decode_legs.inc("client-gone")
+                self._abort(exchange, response.endpoint, "decode")
+            raise
+        finally:
+            await response.aclose()
+
+    async def _relay(self, exchange: Exchange, responder: ResponseWriter,
+                     response: UpstreamResponse) -> None:
+        """Decode's status, headers and body to the client, as each read arrives.
+
+        The body is never decompressed or re-parsed; what one read from decode
+        brought goes out in one write, and a slow client makes the relay stop
+        reading from decode (back-pressure).
+        """
+        headers, content_length = client_response_head(response.headers, exchange.wants_stream)
+        cached = exchange.prefill_cached_tokens
+        surface = exchange.surface
+        if cached is not None and surface is not None and 200 <= response.status < 300:
+            # The prefill's cached-token figure goes into decode's usage.
+            if content_length is not None:
+                await self._relay_rewritten(exchange, responder, response, headers, surface,
+                                            cached)
+                return
+        else:
+            surface = None
+        await responder.start(response.status, headers, content_length)
+        first_byte = self.metrics.decode_first_byte
+
+        def deliver(pieces: list[bytes]) -> bool:
+            if exchange.first_byte_ms is None:
+                exchange.first_byte_ms = exchange.elapsed_ms()
+                first_byte.observe(exchange.first_byte_ms / 1000.0)
+            for piece in pieces:
+                if surface is not None:
+                    piece = rewrite_events(surface, piece, cached or 0)
+                responder.buffer(piece)
+            responder.flush()
+            return responder.client_is_slow
+
+        try:
+            await response.deliver_body(deliver, responder.wait_for_client)
+        except UpstreamError as exc:
+            raise Truncated(exc.detail, response.endpoint.label) from None
+        if exchange.first_byte_ms is None:
+            exchange.first_byte_ms = exchange.elapsed_ms()
+            first_byte.observe(exchange.first_byte_ms / 1000.0)
+        await responder.end()
+        self.metrics.decode_legs.inc("ok")
+
+    async def _relay_rewritten(self, exchange: Exchange, responder: ResponseWriter,
+                               response: UpstreamResponse, headers: Headers, surface: str,
+                               cached: int) -> None:
+        """A length-framed answer, read whole, its usage rewritten, its length recomputed."""
+        try:
+            raw = await response.read(MAX_REWRITTEN_BYTES)
+        except UpstreamError as exc:
+            raise Truncated(exc.detail, response.endpoint.label) from None
+        exchange.first_byte_ms = exchange.elapsed_ms()
+        self.metrics.decode_first_byte.observe(exchange.first_byte_ms / 1000.0)
+        body = rewrite_body(surface, raw, cached) or raw
+        await responder.start(response.status, headers, len(body))
+        await responder.write(body)
+        await responder.end()
+        self.metrics.decode_legs.inc("ok")
+
+    # -- the one place a failure becomes a metric, a log line and an answer
+
+    async def answer_failure(self, exchange: Exchange, responder: ResponseWriter,
+                             failure: Failure) -> None:
+        """Count, log and answer one failure; cut the response if it had started."""
+        config = self.config
+        request_id = exchange.request_id
+        anthropic = speaks_anthropic(exchange.request.path)  # the surface's error shape
+        if isinstance(failure, NoDecode):
+            self.metrics.decode_legs.inc("unreachable")
+            logs.warn(log, f"no decode backend: {failure.detail}", request_id)
+            status, body = config.no_decode_status, answers.no_decode_backend(
+                config.no_decode_message)
+        elif isinstance(failure, DecodeFailed):
+            error = failure.error
+            self.metrics.decode_legs.inc("unreachable" if error.reason == "unreachable"
+                                         else "error")
+            logs.warn(log, f"decode backend failed before answering ({error.reason}): "
+                      f"{error.detail}", request_id,
+                      backend=error.endpoint.label if error.endpoint else None)
+            status = 504 if error.reason == "timeout" else 502
+            body = answers.decode_failed(status, anthropic)
+        elif isinstance(failure, DecodeTimedOut):
+            self.metrics.decode_legs.inc("timeout")
+            logs.warn(log, f"decode did not finish within {config.decode_timeout:g}s",
+                      request_id, backend=exchange.decode_backend)
+            status, body = 504, answers.decode_timed_out(anthropic)
+        elif isinstance(failure, PrefillRefused):
+            logs.warn(log, f"{failure}: its answer is relayed, decode is not asked",
+                      request_id, backend=exchange.prefill_backend)
+            status = failure.status
+            body = failure.body or answers.prefill_refused(status, anthropic)
+        elif isinstance(failure, PrefillFailed):
+            # Counted and logged where the prefill leg failed.
+            status, body = 502, answers.prefill_failed(failure.detail, anthropic)
+        elif isinstance(failure, Truncated):
+            self.metrics.decode_legs.inc("truncated")
+            logs.warn(log, f"decode broke off its response after {responder.bytes_out} bytes; "
+                      f"the client's response is cut: {failure.detail}", request_id,
+                      backend=failure.backend)
+            raise AbortResponse()
+        else:  # pragma: no cover - every Failure is listed above
+            raise failure
+        if responder.started:
+            raise AbortResponse()  # a started response is cut, never completed
+        await responder.send_bytes(status, body)
+
+    # -- SGLang aborts: no leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT
+
+    def _abort(self, exchange: Exchange, endpoint: Endpoint, role: str) -> None:
+        """Ask ``endpoint`` to abort this request's leg by its rids (SGLang only),
+        with the legs' own authorization (SGLang's --api-key guards that path)."""
+        if not exchange.abort_rids:
+            return
+        if role == "decode":
+            exchange.decode_endpoint = None  # once per leg
+        self.background.spawn(send_abort(self.upstream, endpoint, exchange.abort_rids, role,
+                                         exchange.request_id, exchange.upstream_headers))
+
+    # -- prefill
+
+    async def _prefill_leg(self, exchange: Exchange, plan: Plan,
+                           want_kv: bool) -> PrefillResult:
+        """Send one prefill leg and read its answer; bounded by the prefill timeout.
+
+        Never raises for a backend failure: the outcome says what happened and a
+        warning names it, with the request id. A failure drops the endpoint's
+        cached bootstrap map (a restarted prefill has new engine ids).
+        """
+        handshake = exchange.handshake or "relay"
+        endpoint: Endpoint = plan.prefill
+        started = time.perf_counter()
+        exchange.prefill_backend = endpoint.label
+        loads = self.engine_loads
+        extra = plan.prefill_headers if loads is None else [*plan.prefill_headers, ASK_ORCA]
+        result, status = await send_prefill_leg(
+            self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
+            plan.prefill_body, extra, want_kv, self.config.prefill_timeout,
+            plan.surface if self.config.rewrite_cached_tokens else None,
+            None if loads is None else lambda report: loads.orca(endpoint, report))
+        if plan.on_prefill_done is not None:
+            plan.on_prefill_done()  # its outstanding prompt bytes no longer load it
+        if result.outcome == "unreachable":
+            self.prefill.cool_down(endpoint)
+            result.outcome = "error"
+        elapsed = time.perf_counter() - started
+        exchange.prefill_ms = elapsed * 1000.0
+        self.metrics.prefill_duration.observe(elapsed, handshake)
+        self.metrics.prefill_legs.inc(handshake, result.outcome)
+        if result.cached_tokens is not None and result.prompt_tokens:
+            self.metrics.prefill_prompt_tokens.inc(handshake, amount=result.prompt_tokens)
+            self.metrics.prefill_cached_tokens.inc(handshake, amount=result.cached_tokens)
+        if exchange.span is not None and self.tracing is not None:
+            self.tracing.record_prefill(exchange, endpoint.label, started, status, result.ok,
+                                        concurrent=not want_kv)
+        if not result.ok:
+            self.bootstrap.forget(endpoint)
+            logs.warn(log, f"prefill leg failed ({result.outcome}): {result.detail}",
+                      exchange.request_id, backend=endpoint.label, handshake=handshake)
+        return result
