@@ -119,9 +119,9 @@ def choose(labels: Sequence[str], salts: Mapping[str, int], index: PrefixIndex,
     longest = max(matches.values())
     if longest:
         held = [label for label in labels if matches[label] == longest]
-        home = held[0] if len(held) == 1 else min(
-            held, key=lambda label: (work.get(label, 0.0),
-                                     -mix64(salts[label] ^ first)))
+        # Ties by rendezvous too, not by load: replicas then agree on which copy
+        # of a spilled prefix to follow, and the other copy ages out.
+        home = held[0] if len(held) == 1 else rendezvous(held, salts, first)
     else:
         home = rendezvous(labels, salts, first)
 
