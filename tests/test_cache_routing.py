@@ -72,19 +72,19 @@ def homes(group: list[DemoBackend]) -> dict[str, set[int]]:
 async def test_a_conversations_turns_stay_with_their_prefill_and_decode():
     async with backends(prefills=2, decodes=2) as (pre, dec):
         async with proxy_for(pre, dec) as running:
-            for n in range(8):
+            for n in range(16):
                 said: list[str] = []
                 for turn in range(3):
                     said.append(f"question {turn} of {n} " * 8)
                     reply = await running.request("POST", CHAT, turns(system(n), *said))
                     assert reply.status == 200, reply.body
             prefills, decodes = homes(pre), homes(dec)
-            assert len(prefills) == 8 and all(len(where) == 1 for where in prefills.values())
-            assert len(decodes) == 8 and all(len(where) == 1 for where in decodes.values())
+            assert len(prefills) == 16 and all(len(where) == 1 for where in prefills.values())
+            assert len(decodes) == 16 and all(len(where) == 1 for where in decodes.values())
             assert {next(iter(w)) for w in prefills.values()} == {0, 1}  # both prefills used
             assert {next(iter(w)) for w in decodes.values()} == {0, 1}  # both decodes used
             choices = running.proxy.metrics.prefill_choice
-            assert choices.get("cold") == 8 and choices.get("cache") == 16
+            assert choices.get("cold") == 16 and choices.get("cache") == 32
             assert running.proxy.router.queued == {} and running.proxy.router.legs == {}
 
 
@@ -109,9 +109,11 @@ async def test_an_endpoint_leaving_moves_only_its_own_prefixes():
             for n in range(12):
                 assert (await running.request("POST", CHAT, turns(system(n), "a"))).status == 200
             before = {prompt: next(iter(w)) for prompt, w in homes(pre).items()}
-            assert len(set(before.values())) == 3
-            leaving = running.proxy.prefill.endpoints[0]
-            gone = next(i for i, b in enumerate(pre) if b.url == leaving.label)
+            # Ports are ephemeral, so placements vary by run: the busiest one leaves.
+            gone = max(range(3), key=lambda i: list(before.values()).count(i))
+            assert len(set(before.values())) >= 2
+            leaving = next(e for e in running.proxy.prefill.endpoints
+                           if e.label == pre[gone].url)
             running.proxy.prefill.remove(leaving, running.proxy.upstream)
             for backend in pre:
                 backend.received.clear()
