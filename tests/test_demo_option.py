@@ -34,6 +34,11 @@ async def test_the_demo_serves_every_handshake_with_a_prefill_leg(handshake):
         assert reply.json()["choices"][0]["message"]["content"]
         page = (await request(port, "GET", "/metrics")).body
         assert _prefill_ok(page, handshake) == 1, page.decode()
+        if handshake == "sglang":  # the demo decode is SGLang-strict: rooms on every leg
+            both = {"model": "demo-model", "prompt": ["a", "b"], "max_tokens": 2}
+            assert (await request(port, "POST", "/v1/completions", both)).status == 200
+            page = (await request(port, "GET", "/metrics")).body
+            assert _prefill_ok(page, handshake) == 2, page.decode()
     finally:
         assert await asyncio.to_thread(daemon.stop) == 0
 
