@@ -69,6 +69,9 @@ class CacheRouter:
             if label not in labels:
                 index.forget(label)
         self._known[id(index)] = (endpoints, labels)
+        present = set().union(*(known[1] for known in self._known.values()))
+        for label in [label for label in self._salts if label not in present]:
+            del self._salts[label]  # dns+ churn must not grow this for ever
 
     # -- prefill
 
