@@ -48,7 +48,7 @@ from load_report import evaluate, group_by_run
 from load_streams import idle_streams, trickle
 
 SCENARIOS = ("chat", "latency", "mooncake", "stream", "trickle", "workers", "idle-streams")
-# Not in "all": load_prefix.py, its own backends per policy and its own table.
+# Not in "all": load_prefix.py, fresh backends per cell and its own table.
 OWN_TABLE = ("prefix",)
 NEEDS_CHAT = ("trickle", "workers")  # their figures are relative to chat's of the same run
 LOOPS = ("asyncio", "uvloop", "auto")

@@ -22,6 +22,8 @@ from .bootstrap import BootstrapCache, BootstrapError
 from .legs import Plan, decode_only_plan, serialise
 from .rules import SHORT, cannot_hand_off, too_short
 
+DECODE_CACHED = "decode-cached"  # decode-first: decode holds all but a few tokens
+
 _rooms = random.SystemRandom()
 
 
@@ -34,6 +36,7 @@ class Generation:
     path: bytes  # the path alone: prefill's target, as the GCO proxy sent it
     body: Body
     prompt_bytes: int | None = None  # the prompt's size, when a setting reads it
+    decode_cached: bool = False  # decode-first: decode holds all but a few of its tokens
 
 
 class PrefillPick(Protocol):
@@ -77,6 +80,9 @@ async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids,
         # No prefill configured: decode computes the prompt itself, no handshake.
         return decode_only_plan(b"POST", target, serialise(body))
     skipped = skip_reason(config, surface, body, request.prompt_bytes)
+    if skipped is None and request.decode_cached and config.kv_protocol != "sglang":
+        # SGLang's decode cannot run without a bootstrap_room: never skipped there.
+        skipped = DECODE_CACHED
     if skipped is not None:
         # Decode gets the client's request unchanged and computes the prompt.
         return decode_only_plan(b"POST", target, serialise(body), skip_reason=skipped)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
 from .._types import Headers
 from ..answers import json_body
@@ -32,7 +32,9 @@ log = logging.getLogger("lowproxy.dispatch")
 async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes,
                            headers: Headers, body: bytes, extra_headers: Headers,
                            want_kv: bool, timeout: float,
-                           surface: str | None = None) -> tuple[PrefillResult, int | None]:
+                           surface: str | None = None,
+                           on_load: Callable[[bytes | None], None] | None = None,
+                           ) -> tuple[PrefillResult, int | None]:
     """One prefill leg and what its answer means; never raises for a backend failure.
 
     The outcome ``unreachable`` (nothing was sent) lets the caller cool the
@@ -44,6 +46,9 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
             response = await upstream.request(endpoint, b"POST", target, headers, body,
                                               extra_headers=extra_headers)
             status = response.status
+            if on_load is not None:  # the ORCA load report (engine_load.py), if any
+                on_load(next((value for name, value in response.headers
+                              if name.lower() == b"endpoint-load-metrics"), None))
             try:
                 raw = await response.read(MAX_PREFILL_ANSWER_BYTES)
             finally:

@@ -25,6 +25,7 @@ from ..handshakes.usage import rewrite_body, rewrite_events
 from ..headers import client_response_head
 from ..observability import logs
 from ..observability.metrics import Metrics
+from ..routing.engine_load import ASK_ORCA, EngineLoads
 from ..routing.groups import BackendGroup
 from ..timeouts import deadline, first_done
 from ..upstream.endpoint import Endpoint
@@ -81,6 +82,7 @@ class Dispatcher:
         self.metrics = metrics
         self.tracing = tracing
         self.background = BackgroundTasks()  # prefill legs left to finish, aborts
+        self.engine_loads: EngineLoads | None = None  # set by the proxy: ORCA reports
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.background.loop = loop
@@ -267,7 +269,9 @@ class Dispatcher:
         tried: tuple[Endpoint, ...] = ()
         last_error = "no decode backend configured"
         while True:
-            endpoint = self.decode.pick_least_loaded(tried, exchange.model)
+            endpoint = self._preferred_decode(exchange, tried)
+            if endpoint is None:
+                endpoint = self.decode.pick_least_loaded(tried, exchange.model)
             if endpoint is None and not tried:
                 # All cooling down: try one anyway.
                 endpoint = self.decode.soonest_usable(exchange.model)
@@ -300,6 +304,15 @@ class Dispatcher:
                 continue
             endpoint.cooldown_until = 0.0  # it answered: usable again (and ready)
             return response
+
+    def _preferred_decode(self, exchange: Exchange,
+                          tried: tuple[Endpoint, ...]) -> Endpoint | None:
+        """The decode cache-aware routing chose (cache_router.py), while it can be used."""
+        preferred = exchange.decode_preferred
+        if preferred is None or preferred in tried or not preferred.usable(time.monotonic()) \
+                or preferred not in self.decode.endpoints:
+            return None
+        return self.decode.count_sent(preferred)
 
     def _decode_deadline(self, exchange: Exchange) -> Any:
         """What is left of PD_PROXY_DECODE_TIMEOUT_SECONDS for this decode leg.
@@ -415,11 +428,14 @@ class Dispatcher:
         started = time.perf_counter()
         exchange.prefill_backend = endpoint.label
         exchange.prefill_leg = PrefillLeg.RUNNING
+        loads = self.engine_loads
+        extra = plan.prefill_headers if loads is None else [*plan.prefill_headers, ASK_ORCA]
         try:
             result, status = await send_prefill_leg(
                 self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
-                plan.prefill_body, plan.prefill_headers, want_kv, self.config.prefill_timeout,
-                exchange.surface if self.config.rewrite_cached_tokens else None)
+                plan.prefill_body, extra, want_kv, self.config.prefill_timeout,
+                exchange.surface if self.config.rewrite_cached_tokens else None,
+                None if loads is None else lambda report: loads.orca(endpoint, report))
         finally:
             # Now, not when a stream that may last minutes ends: its prompt no
             # longer loads the prefill endpoint.

@@ -44,6 +44,7 @@ class Exchange:
     wants_stream: bool = False
     skip_reason: str | None = None  # why the prefill leg was skipped, when it was
     decode_endpoint: Endpoint | None = None  # where the decode leg went
+    decode_preferred: Endpoint | None = None  # the decode cache-aware routing chose, if any
     surface: str | None = None  # the generation surface (routes.CHAT, ...), if one
     model: str | None = None  # the model a generation request names (routes its legs)
     prefill_cached_tokens: int | None = None  # the prefill's figure, for decode's usage

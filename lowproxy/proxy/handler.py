@@ -39,6 +39,9 @@ from ..routes import (
     speaks_anthropic,
 )
 from ..routing.affinity import PromptFacts, prompt_facts
+from ..routing.blocks import NO_BLOCKS, PromptBlocks
+from ..routing.cache_router import CacheRouter
+from ..routing.engine_load import EngineLoads
 from ..routing.groups import BackendGroup, PrefillTargetAllowList
 from ..routing.health import HealthMonitor
 from ..routing.prefill import PrefillChooser, TargetRefused
@@ -69,18 +72,27 @@ class Proxy:
         counted = (self.metrics.endpoint_requests, self.metrics.endpoint_failures)
         self.prefill = BackendGroup("prefill", config.prefill, *counted)
         self.decode = BackendGroup("decode", config.decode, *counted)
+        # keys.py: the backend key on every leg, the client keys every request needs
+        self.backend_key = BackendKey(config.backend_api_key, config.backend_api_key_file)
+        # What the engines report of their load, and cache-aware routing over it.
+        self.engine_loads = EngineLoads(self.upstream, (self.prefill, self.decode),
+                                        config.health_interval, config.health_timeout,
+                                        self.backend_key.headers)
+        self.router = CacheRouter(config, self.engine_loads) \
+            if config.prefill_policy == "cache-aware" else None
         self.prefill_choice = PrefillChooser(
             self.prefill, PrefillTargetAllowList(config.prefill_header_allow), self.upstream,
-            config.prefill_policy, config.affinity_slack, self.metrics.prefill_choice)
+            config.prefill_policy, config.affinity_slack, self.metrics.prefill_choice,
+            self.router)
         self.bootstrap = BootstrapCache(self.upstream, config.mooncake_bootstrap_port,
                                         on_query=self._bootstrap_observed)
         self.tracing = Tracing.create(config.otel)
         self.dispatch = Dispatcher(config, self.upstream, self.prefill, self.decode,
                                    self.bootstrap, self.metrics, self.tracing,
                                    prefill_ended=self._prefill_ended)
+        if self.router is not None:
+            self.dispatch.engine_loads = self.engine_loads  # prefill legs ask for ORCA
         self.resolver = resolver or system_resolver
-        # keys.py: the backend key on every leg, the client keys every request needs
-        self.backend_key = BackendKey(config.backend_api_key, config.backend_api_key_file)
         self.client_keys = ClientKeys(config.client_api_keys, config.client_api_keys_file)
         self.instances = Instances(config.admin_api_key, self.prefill, self.decode,
                                    self.upstream, self.backend_key, config.workers)
@@ -101,6 +113,8 @@ class Proxy:
         await self.refresh_discovery()
         self.health.start(loop)  # checks and model lists, in the background
         await self.health.first_checks()  # bounded: ready only once decode was checked
+        if self.router is not None:
+            self.engine_loads.start(loop)  # /metrics every health interval
         self._maintenance = loop.create_task(self._maintain())
 
     async def refresh_discovery(self) -> None:
@@ -124,6 +138,7 @@ class Proxy:
         if self._maintenance is not None:
             self._maintenance.cancel()
         await self.health.close()
+        await self.engine_loads.close()
         await self.dispatch.close(grace)
         for endpoint in self.all_endpoints():
             self.upstream.close_idle(endpoint)
@@ -288,14 +303,23 @@ class Proxy:
         exchange.handshake = self.config.kv_protocol
         exchange.surface = surface
         facts = self._prompt_facts(surface, body)
-        exchange.prefill_lease = self.prefill_choice.lease(named, facts, model)
+        router = self.router
+        blocks = NO_BLOCKS if router is None else router.blocks(surface, body)
+        decode_cached = router is not None and self._decode_first(exchange, router, blocks,
+                                                                  model, named)
+        exchange.prefill_lease = self.prefill_choice.lease(named, facts, model, blocks)
         planning = plan_generation(self.config, self.bootstrap, self.ids,
                                    Generation(surface, request.target, request.path_bytes, body,
-                                              facts.size),
+                                              facts.size, decode_cached),
                                    exchange.prefill_lease)
         del body  # the plan holds it until decode's response is open, and no longer
         exchange.model = model  # decode's pick: endpoints serving the model
-        await self.dispatch.run(exchange, responder, planning)
+        try:
+            await self.dispatch.run(exchange, responder, planning)
+        finally:
+            if router is not None and exchange.decode_endpoint is not None \
+                    and exchange.first_byte_ms is not None:
+                router.served_decode(exchange.decode_endpoint, blocks)
 
     @staticmethod
     def _prefill_ended(exchange: Exchange) -> None:
@@ -303,10 +327,22 @@ class Proxy:
         if exchange.prefill_lease is not None:
             exchange.prefill_lease.release()
 
+    def _decode_first(self, exchange: Exchange, router: CacheRouter, blocks: PromptBlocks,
+                      model: str | None, named: Endpoint | None) -> bool:
+        """The decode holding the conversation, if its load allows; whether it may
+        compute the rest itself (no prefill leg: decode-cached)."""
+        router.prune("decode", self.decode.endpoints)
+        now = time.monotonic()
+        usable = [e for e in self.decode.candidates(model) if e.usable(now)]
+        preferred, lacks = router.choose_decode(usable, blocks)
+        exchange.decode_preferred = preferred
+        return preferred is not None and named is None and router.decode_cached(lacks)
+
     def _prompt_facts(self, surface: str, body: dict) -> PromptFacts:
         """The prefix key and prompt size, when a setting reads them."""
         config = self.config
-        if config.prefill_policy == "round-robin" and not config.min_prefill_prompt_bytes:
+        if config.prefill_policy in ("round-robin", "cache-aware") \
+                and not config.min_prefill_prompt_bytes:
             return PromptFacts(None, None)
         return prompt_facts(surface, body)
 
@@ -351,6 +387,7 @@ class Proxy:
         metrics.bootstrap_entries.read = lambda: [((), len(self.bootstrap))]
         metrics.endpoint_health.read = self.health.health_states
         metrics.endpoint_in_flight.read = self.health.in_flight
+        metrics.endpoint_engine_load.read = self.engine_loads.gauges
 
 
 def _ms(value: float | None) -> float | None:

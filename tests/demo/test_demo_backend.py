@@ -652,3 +652,56 @@ async def test_cli_separate_processes_transfer_the_kv():
 
 async def request_bootstrap(port):
     return (await request(port, "GET", "/query")).json()
+
+
+# -- the engine's load: /metrics, ORCA reports, the generated tokens cached
+
+
+def gauges(text: str) -> dict[str, float]:
+    return {line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("vllm:")}
+
+
+async def test_metrics_and_orca_report_the_engine_load():
+    async with single(prompt_tokens_details=True, block_size=1) as decode:
+        plain = await request(decode.port, "POST", CHAT, chat_body())
+        assert plain.header("endpoint-load-metrics") is None  # not asked
+        asked = await request(decode.port, "POST", CHAT, chat_body(),
+                              headers=[("endpoint-load-metrics-format", "TEXT")])
+        raw = asked.header("endpoint-load-metrics")
+        assert raw is not None
+        report = raw.decode()
+        assert report.startswith("TEXT ")
+        assert "named_metrics.num_requests_waiting=0" in report
+        assert "named_metrics.kv_cache_usage_perc=" in report
+        streamed = await request(decode.port, "POST", CHAT, chat_body(stream=True),
+                                 headers=[("endpoint-load-metrics-format", "TEXT")])
+        assert streamed.header("endpoint-load-metrics") is None  # streams carry none
+        seen = gauges((await request(decode.port, "GET", "/metrics")).body.decode())
+        assert seen["vllm:num_requests_waiting"] == 0 and seen["vllm:num_requests_running"] == 0
+        assert seen["vllm:prefix_cache_queries_total"] == 3 * HELLO_TOKENS
+        assert seen["vllm:prefix_cache_hits_total"] == 2 * (HELLO_TOKENS - 1)
+        assert "vllm:kv_cache_usage_perc" in seen
+
+
+async def test_a_request_waiting_for_compute_is_counted_waiting():
+    async with single(prefill_us_per_token=200_000.0) as decode:  # 0.2 s per token
+        slow = asyncio.ensure_future(request(decode.port, "POST", CHAT, chat_body()))
+        queued = asyncio.ensure_future(request(decode.port, "POST", CHAT, chat_body()))
+        await wait_until(lambda: decode.load.waiting == 1)
+        assert decode.load.running == 1
+        slow.cancel()
+        queued.cancel()
+        await asyncio.gather(slow, queued, return_exceptions=True)
+
+
+async def test_the_next_turn_hits_the_answer_the_decode_generated():
+    async with single(prompt_tokens_details=True, block_size=1) as decode:
+        first = (await request(decode.port, "POST", CHAT, chat_body())).json()
+        answer = first["choices"][0]["message"]["content"]
+        turns = HELLO + [{"role": "assistant", "content": answer},
+                         {"role": "user", "content": "and then"}]
+        second = (await request(decode.port, "POST", CHAT, chat_body(messages=turns))).json()
+        # Everything up to the new user turn was cached: the prompt and the answer.
+        assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+            second["usage"]["prompt_tokens"] - 3

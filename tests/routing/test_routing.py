@@ -254,7 +254,7 @@ async def test_round_robin_and_least_loaded_spread_one_prefix_over_both():
                 assert running.proxy.metrics.prefill_choice.get(reason) == 4
     config, _ = load_config([], {"PD_PROXY_PREFILL_POLICY": "least-loaded"})
     assert config.prefill_policy == "least-loaded"
-    assert load_config([], {})[0].prefill_policy == "affinity"
+    assert load_config([], {})[0].prefill_policy == "cache-aware"
 
 
 async def test_the_scheduler_header_still_wins_over_affinity():
