@@ -20,7 +20,7 @@ from typing import Any, AsyncIterator, Iterable
 
 from lowproxy.config import Config, parse_endpoint
 from lowproxy.daemon import limits_of
-from lowproxy.demo import DemoBackend, start_pair
+from lowproxy.demo import DemoBackend, KvRegistry, start_pair
 from lowproxy.downstream import HttpServer
 from lowproxy.proxy import Proxy
 
@@ -29,7 +29,7 @@ from .client import Client, Reply, exchange, first_reply, parse_replies, request
 __all__ = ["CHAT", "ROOT", "Client", "Daemon", "RawServer", "Reply", "RunningProxy",
            "ScriptedBackend", "chat", "client_for", "config_for", "demo_backends", "eventually",
            "exchange", "first_reply", "follow_output", "free_port", "legs", "parse_replies",
-           "leave_after_both_legs", "pd_setup", "raw_exchange", "tagged_chats",
+           "leave_after_both_legs", "pd_backends", "pd_setup", "raw_exchange", "tagged_chats",
            "read_request", "request", "running_proxy", "wait_until"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -113,6 +113,22 @@ async def demo_backends(count: int, role: str = "decode", **knobs: Any
         yield started
     finally:
         for backend in started:
+            await backend.close()
+
+
+@contextlib.asynccontextmanager
+async def pd_backends(prefills: int = 2, decodes: int = 1, **knobs: Any
+                      ) -> AsyncIterator[tuple[list[DemoBackend], list[DemoBackend]]]:
+    """Demo prefills and decodes sharing one KV registry, closed after."""
+    registry = KvRegistry()
+    pre = [await DemoBackend("prefill", registry=registry, **knobs).start()
+           for _ in range(prefills)]
+    dec = [await DemoBackend("decode", registry=registry, **knobs).start(bootstrap_port=None)
+           for _ in range(decodes)]
+    try:
+        yield pre, dec
+    finally:
+        for backend in pre + dec:
             await backend.close()
 
 

@@ -5,12 +5,11 @@ engines' own load reports (ORCA, /metrics) read and used."""
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, AsyncIterator
+from typing import Any
 
-from helpers import config_for, request, running_proxy, wait_until
+from helpers import config_for, pd_backends, request, running_proxy, wait_until
 from lowproxy.config import Config
-from lowproxy.demo import DemoBackend, KvRegistry
+from lowproxy.demo import DemoBackend
 from lowproxy.handshakes.planner import Generation, plan_generation
 from lowproxy.ids import Ids
 
@@ -40,21 +39,6 @@ def system(n: int, words: int = 200) -> str:
     return " ".join(f"s{n}w{i}" for i in range(words))
 
 
-@contextlib.asynccontextmanager
-async def backends(prefills: int = 2, decodes: int = 1, **knobs: Any
-                   ) -> AsyncIterator[tuple[list[DemoBackend], list[DemoBackend]]]:
-    registry = KvRegistry()
-    pre = [await DemoBackend("prefill", registry=registry, **knobs).start()
-           for _ in range(prefills)]
-    dec = [await DemoBackend("decode", registry=registry, **knobs).start(bootstrap_port=None)
-           for _ in range(decodes)]
-    try:
-        yield pre, dec
-    finally:
-        for backend in pre + dec:
-            await backend.close()
-
-
 def proxy_for(pre: list[DemoBackend], dec: list[DemoBackend], **overrides: Any) -> Any:
     overrides.setdefault("prefill_policy", "cache-aware")
     return running_proxy(config_for([b.url for b in pre], [b.url for b in dec], **overrides))
@@ -70,7 +54,7 @@ def homes(group: list[DemoBackend]) -> dict[str, set[int]]:
 
 
 async def test_a_conversations_turns_stay_with_their_prefill_and_decode():
-    async with backends(prefills=2, decodes=2) as (pre, dec):
+    async with pd_backends(prefills=2, decodes=2) as (pre, dec):
         async with proxy_for(pre, dec) as running:
             for n in range(16):
                 said: list[str] = []
@@ -91,7 +75,7 @@ async def test_a_conversations_turns_stay_with_their_prefill_and_decode():
 async def test_a_shared_system_prompt_under_4_kb_is_one_placement():
     shared = system(0, words=300)  # about 2 KB: the old 4 KB key took the user turn in too
     assert len(shared) < 4096
-    async with backends(prefills=2) as (pre, dec):
+    async with pd_backends(prefills=2) as (pre, dec):
         async with proxy_for(pre, dec) as running:
             for n in range(12):
                 reply = await running.request("POST", CHAT, turns(shared, f"user {n} asks " * 6))
@@ -104,7 +88,7 @@ async def test_a_shared_system_prompt_under_4_kb_is_one_placement():
 
 
 async def test_an_endpoint_leaving_moves_only_its_own_prefixes():
-    async with backends(prefills=3) as (pre, dec):
+    async with pd_backends(prefills=3) as (pre, dec):
         async with proxy_for(pre, dec) as running:
             for n in range(12):
                 assert (await running.request("POST", CHAT, turns(system(n), "a"))).status == 200
@@ -129,7 +113,7 @@ async def test_an_endpoint_leaving_moves_only_its_own_prefixes():
 
 
 async def test_two_proxies_place_a_cold_prefix_alike():
-    async with backends(prefills=4) as (pre, dec):
+    async with pd_backends(prefills=4) as (pre, dec):
         async with proxy_for(pre, dec) as one, proxy_for(pre, dec) as two:
             for n in range(10):
                 for running in (one, two):  # each sees the prefix cold
@@ -143,7 +127,7 @@ async def test_two_proxies_place_a_cold_prefix_alike():
 
 
 async def test_decode_cached_skip_only_after_decode_served_and_under_the_setting():
-    async with backends(prefills=1, decodes=2) as (pre, dec):
+    async with pd_backends(prefills=1, decodes=2) as (pre, dec):
         async with proxy_for(pre, dec, decode_first_tokens=128) as running:
             legs = running.proxy.metrics.prefill_legs
             first = await running.request("POST", CHAT, turns(system(1), "hello"))
@@ -199,7 +183,7 @@ def engine_load(running: Any, role: str, endpoint: str, metric: str) -> float | 
 
 
 async def test_engine_metrics_are_read_used_and_a_silent_backend_tolerated():
-    async with backends(prefills=2, decodes=2) as (pre, dec):
+    async with pd_backends(prefills=2, decodes=2) as (pre, dec):
         dec[0].load.in_flight = 40  # an engine busy with another replica's requests
         silent = pre[1]
         served = silent._get

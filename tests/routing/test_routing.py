@@ -4,12 +4,11 @@ prefill affinity with bounded loads, the short-prompt skip, the policy setting."
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import subprocess
 import sys
 import time
-from typing import Any, AsyncIterator
+from typing import Any
 
 import pytest
 
@@ -20,6 +19,7 @@ from helpers import (
     config_for,
     eventually,
     free_port,
+    pd_backends,
     request,
     running_proxy,
     wait_until,
@@ -48,21 +48,6 @@ def conversation_of(received: Any) -> str:
     return received.body["messages"][0]["content"]
 
 
-@contextlib.asynccontextmanager
-async def backends(prefills: int = 2, decodes: int = 1, **knobs: Any
-                   ) -> AsyncIterator[tuple[list[DemoBackend], list[DemoBackend]]]:
-    registry = KvRegistry()
-    pre = [await DemoBackend("prefill", registry=registry, **knobs).start()
-           for _ in range(prefills)]
-    dec = [await DemoBackend("decode", registry=registry, **knobs).start(bootstrap_port=None)
-           for _ in range(decodes)]
-    try:
-        yield pre, dec
-    finally:
-        for backend in pre + dec:
-            await backend.close()
-
-
 def proxy_for(pre: list[DemoBackend], dec: list[DemoBackend], **overrides: Any) -> Any:
     return running_proxy(config_for([b.url for b in pre], [b.url for b in dec], **overrides))
 
@@ -79,7 +64,7 @@ async def known(running: Any) -> None:
 
 
 async def test_a_closed_decode_turns_readyz_503_without_traffic_and_back():
-    async with backends(prefills=0) as (_, (decode,)):
+    async with pd_backends(prefills=0) as (_, (decode,)):
         port = decode.port
         async with proxy_for([], [decode], **FAST) as running:
             await known(running)
@@ -116,7 +101,7 @@ async def hanging_health(request: Any, responder: Any) -> None:
 
 async def test_a_hanging_endpoint_delays_no_other_check_and_is_never_picked():
     hung = await ScriptedBackend(hanging_health).start()
-    async with backends(prefills=0) as (_, (decode,)):
+    async with pd_backends(prefills=0) as (_, (decode,)):
         try:
             async with running_proxy(config_for([], [hung.url(), decode.url], **FAST)) as running:
                 group = running.proxy.decode
@@ -143,7 +128,7 @@ async def test_a_hanging_endpoint_delays_no_other_check_and_is_never_picked():
 
 
 async def test_an_unknown_model_is_404_after_one_refresh_and_no_leg_is_sent():
-    async with backends(served_model_names=["alpha"], max_model_len=1000) as (pre, dec):
+    async with pd_backends(served_model_names=["alpha"], max_model_len=1000) as (pre, dec):
         async with proxy_for(pre, dec, health_interval=60) as running:
             await known(running)
             lists_before = len(dec[0].requests_to("/v1/models"))
@@ -224,7 +209,7 @@ async def test_each_model_goes_only_to_endpoints_serving_it_in_both_roles():
 
 
 async def test_affinity_keeps_each_conversation_on_one_prefill_and_replicas_agree():
-    async with backends() as (pre, dec):
+    async with pd_backends() as (pre, dec):
         async with proxy_for(pre, dec, prefill_policy="affinity") as one, \
                 proxy_for(pre, dec, prefill_policy="affinity") as two:
             for n in range(16):
@@ -246,7 +231,7 @@ async def test_affinity_keeps_each_conversation_on_one_prefill_and_replicas_agre
 
 async def test_round_robin_and_least_loaded_spread_one_prefix_over_both():
     for policy, reason in (("round-robin", "round-robin"), ("least-loaded", "load")):
-        async with backends() as (pre, dec):
+        async with pd_backends() as (pre, dec):
             async with proxy_for(pre, dec, prefill_policy=policy) as running:
                 for _ in range(4):
                     assert (await running.request("POST", CHAT, conversation(1))).status == 200
@@ -258,7 +243,7 @@ async def test_round_robin_and_least_loaded_spread_one_prefix_over_both():
 
 
 async def test_the_scheduler_header_still_wins_over_affinity():
-    async with backends() as (pre, dec):
+    async with pd_backends() as (pre, dec):
         async with proxy_for(pre, dec, prefill_policy="affinity",
                              prefill_header_allow=("127.0.0.1",)) as running:
             assert (await running.request("POST", CHAT, conversation(5))).status == 200
@@ -274,7 +259,7 @@ async def test_the_scheduler_header_still_wins_over_affinity():
 
 
 async def test_short_prompts_skip_prefill_and_are_counted():
-    async with backends(prefills=1) as (pre, dec):
+    async with pd_backends(prefills=1) as (pre, dec):
         async with proxy_for(pre, dec, min_prefill_prompt_bytes=200) as running:
             short = {"model": "demo-model", "messages": [{"role": "user", "content": "hi"}]}
             assert (await running.request("POST", CHAT, short)).status == 200
