@@ -50,7 +50,7 @@ from load_report import evaluate, group_by_run
 from load_streams import idle_streams, trickle
 
 SCENARIOS = ("chat", "latency", "mooncake", "stream", "trickle", "workers", "idle-streams")
-# Not in "all", each with its own table: load_prefix.py (its own backends per policy) and
+# Not in "all", each with its own table: load_prefix.py (fresh backends per cell) and
 # load_features.py (chat with each optional feature on and off).
 OWN_TABLE = ("prefix", "features")
 NEEDS_CHAT = ("trickle", "workers")  # their figures are relative to chat's of the same run

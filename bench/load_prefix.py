@@ -1,48 +1,55 @@
-"""The ``prefix`` scenario of bench/load.py: what prefill affinity buys and costs.
+"""The ``prefix`` scenario of bench/load.py: prefix-cache hits, load spread, wall time.
 
-Many conversations, each with its own long system prompt, go through the
-proxy to two emulated prefill backends and one decode, once per prefill
-policy (affinity, round-robin, least-loaded), on fresh backends each time.
-Every prefill keeps a bounded prefix cache (``--prefix-cache-blocks``, per
-endpoint) and reports ``usage.prompt_tokens_details.cached_tokens``, which
-lowproxy puts in decode's answer (PD_PROXY_REWRITE_CACHED_TOKENS). The cache
-is sized so that one copy of every conversation's prefix fits across the two
-endpoints but not two copies: round robin keeps each prefix on both and
-thrashes, affinity keeps it on one.
+The seeded traces of load_trace.py (multi-tenant chat, few-shot completions,
+a mix with a hot tenant) go at 16 in flight through the proxy to 2 or 4
+emulated prefills and 2 decodes, each a process of its own with a bounded
+block prefix cache (16-token blocks, chained hashes, LRU) and a compute time
+per uncached prompt token (``--prefill-us-per-token``, one request at a time
+per process). With 2 proxy replicas, requests take turns between them (a
+conversation's turns alternate). Every cell runs on fresh backends.
 
-Figures per policy: prefix-cache hit rate (cached / prompt tokens), the
-prefill load spread (requests per prefill endpoint, max / mean), and the
-proxy's CPU per request (µs), beside the same requests sent straight to the
-decode (the decode process's CPU per request: the ratio is what the proxy
-costs, as in the other scenarios).
+Figures per cell, read from the prefills' own /metrics: hit rate (cached
+prompt tokens / prompt tokens over all prefill legs), spread (max / mean
+prefill legs per endpoint) and the trace's wall time; beside round robin and
+the one-big-cache reference (one cache of the summed size, fed the prompts in
+the order the first run of the cell sent them). The decode-first rows run the
+chat trace with PD_PROXY_DECODE_FIRST_TOKENS set: the share of turns served
+without a prefill leg and the prefill tokens saved.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import random
 import subprocess
 import sys
 import time
 from typing import Any
 
-from load_procs import ROOT, child_env, cpu_delta, cpu_sample, free_port
+from common import ROOT, free_port
+from load_procs import child_env
+from load_trace import Conversation, prompt_tokens, reference_hit_rate, trace
 
-# (row name, PD_PROXY_PREFILL_POLICY, PD_PROXY_AFFINITY_SLACK)
-POLICIES = (("affinity", "affinity", "0.25"), ("affinity/1.0", "affinity", "1"),
-            ("round-robin", "round-robin", "0.25"), ("least-loaded", "least-loaded", "0.25"))
-CONVERSATIONS = 48
-TURNS = 6
-SYSTEM_WORDS = 480  # demo tokens are whitespace words: 30 blocks of 16
-CACHE_BLOCKS = 1100  # per prefill: one copy of half the prefixes fits, of all of them not
-CONCURRENCY = 8
+TRACES = ("chat", "few-shot", "mix")
+PREFILLS = (2, 4)
+REPLICAS = (1, 2)
+CACHE_BLOCKS = 700  # per prefill: 2 hold a little more than the 20 system prompts
+# What the proxy is told of each prefill's cache (vLLM logs its size at start).
+CACHE_TOKENS = {"PD_PROXY_PREFIX_CACHE_TOKENS": str(CACHE_BLOCKS * 16)}
+ROUTERS = (("cache-aware", {"PD_PROXY_PREFILL_POLICY": "cache-aware", **CACHE_TOKENS}),
+           ("round-robin", {"PD_PROXY_PREFILL_POLICY": "round-robin"}))
+DECODE_FIRST = ("decode-first", {"PD_PROXY_PREFILL_POLICY": "cache-aware", **CACHE_TOKENS,
+                                 "PD_PROXY_DECODE_FIRST_TOKENS": "256"})
+US_PER_TOKEN = "15"
+CONCURRENCY = 16
+DECODES = 2
 
 
 def start(role: str, *extra: str) -> tuple[subprocess.Popen, dict[str, Any]]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "lowproxy.demo", "--role", role, "--port", "0",
-         "--enable-prompt-tokens-details", *extra],
+         "--enable-prompt-tokens-details", "--prefill-us-per-token", US_PER_TOKEN,
+         "--max-model-len", "65536", *extra],
         env=child_env({}), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT)
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -61,34 +68,11 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def workload(seed: int = 1) -> list[tuple[int, bytes]]:
-    """(conversation, body) in the order sent: turns of a conversation in order,
-    conversations interleaved."""
-    rng = random.Random(seed)
-    systems = [" ".join(f"c{c}w{i}" for i in range(SYSTEM_WORDS)) for c in range(CONVERSATIONS)]
-    pending = {c: 0 for c in range(CONVERSATIONS)}
-    order: list[tuple[int, bytes]] = []
-    while pending:
-        c = rng.choice(sorted(pending))
-        turn = pending[c]
-        messages = [{"role": "system", "content": systems[c]}]
-        for t in range(turn + 1):
-            messages.append({"role": "user", "content": f"question {t} of conversation {c}"})
-            if t < turn:
-                messages.append({"role": "assistant", "content": f"answer {t}"})
-        body = {"model": "demo-model", "messages": messages, "max_tokens": 4}
-        order.append((c, json.dumps(body, separators=(",", ":")).encode()))
-        pending[c] += 1
-        if pending[c] == TURNS:
-            del pending[c]
-    return order
-
-
 async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int,
-              body: bytes) -> dict[str, Any]:
-    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
+              path: str, body: bytes) -> dict[str, Any]:
+    writer.write(b"POST %s HTTP/1.1\r\nhost: 127.0.0.1:%d\r\n"
                  b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-                 % (port, len(body), body))
+                 % (path.encode(), port, len(body), body))
     head = await reader.readuntil(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1])
     length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
@@ -99,126 +83,165 @@ async def one(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: 
     return answer
 
 
-async def drive(port: int, order: list[tuple[int, bytes]]) -> tuple[int, int]:
-    """Send every request (a conversation's turns one after another); (cached, prompt)."""
-    queues: dict[int, list[bytes]] = {}
-    for c, body in order:
-        queues.setdefault(c, []).append(body)
-    ready: asyncio.Queue[int] = asyncio.Queue()
-    for c in dict.fromkeys(c for c, _ in order):
-        ready.put_nowait(c)
-    totals = [0, 0]
+async def drive(ports: list[int], conversations: list[Conversation]
+                ) -> list[tuple[str, bytes]]:
+    """Every request, CONCURRENCY at a time, proxies in turn; the order they were sent."""
+    ready: asyncio.Queue[tuple[Conversation, int]] = asyncio.Queue()
+    for conversation in conversations:
+        ready.put_nowait((conversation, 0))
+    sent: list[tuple[str, bytes]] = []
+    active = [0]
 
     async def slot() -> None:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
+        links = [await asyncio.open_connection("127.0.0.1", port, limit=1 << 22)
+                 for port in ports]
         try:
-            while not ready.empty():
-                c = ready.get_nowait()
-                answer = await one(reader, writer, port, queues[c].pop(0))
-                usage = answer.get("usage") or {}
-                totals[0] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-                totals[1] += usage.get("prompt_tokens", 0)
-                if queues[c]:
-                    ready.put_nowait(c)  # its next turn, after this answer
+            while True:
+                if ready.empty():
+                    if not active[0]:
+                        return
+                    await asyncio.sleep(0.002)  # a turn may follow an answer still due
+                    continue
+                conversation, turn = ready.get_nowait()
+                active[0] += 1
+                index = len(sent) % len(ports)
+                body = conversation.bodies[turn]
+                sent.append((conversation.path, body))
+                reader, writer = links[index]
+                await one(reader, writer, ports[index], conversation.path, body)
+                active[0] -= 1
+                if turn + 1 < len(conversation.bodies):
+                    ready.put_nowait((conversation, turn + 1))
         finally:
-            writer.close()
+            for _, writer in links:
+                writer.close()
 
     await asyncio.gather(*(slot() for _ in range(CONCURRENCY)))
-    return totals[0], totals[1]
+    return sent
 
 
-def scrape(port: int) -> tuple[float, float]:
-    """(max / mean of the requests each prefill endpoint got, share of affinity choices),
-    from lowproxy's own metrics."""
-    async def get() -> bytes:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
-        writer.write(b"GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
-        data = await reader.read()
-        writer.close()
-        return data
-    text = asyncio.run(get()).decode()
-    counts = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-              if line.startswith('lowproxy_endpoint_requests_total{role="prefill"')]
-    choices = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+async def _get(port: int, target: str) -> str:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET %s HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n" % target.encode())
+    data = await reader.read()
+    writer.close()
+    return data.split(b"\r\n\r\n", 1)[1].decode()
+
+
+def engine_counters(port: int) -> dict[str, float]:
+    text = asyncio.run(_get(port, "/metrics"))
+    return {line.split("{", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("vllm:")}
+
+
+def proxy_counts(port: int) -> tuple[float, dict[str, float]]:
+    """(prefill legs skipped as decode-cached, prefill choices by reason) of one proxy."""
+    text = asyncio.run(_get(port, "/metrics"))
+    lines = text.splitlines()
+    skipped = sum(float(line.rsplit(" ", 1)[1]) for line in lines
+                  if line.startswith("lowproxy_prefill_legs_total{")
+                  and 'reason="decode-cached"' in line)
+    choices = {line.split('"')[1]: float(line.rsplit(" ", 1)[1]) for line in lines
                if line.startswith("lowproxy_prefill_choice_total{")}
-    spread = max(counts) / (sum(counts) / len(counts)) if counts else float("nan")
-    return spread, choices.get("affinity", 0.0) / max(sum(choices.values()), 1.0)
+    return skipped, choices
 
 
-def run_policy(name: str, policy: str, slack: str, order: list[tuple[int, bytes]],
-               command: list[str]) -> dict[str, Any]:
-    decode, decode_info = start("decode")
-    prefills = [start("prefill", "--bootstrap-port", "0", "--prefix-cache-blocks",
-                      str(CACHE_BLOCKS)) for _ in range(2)]
-    port = free_port()
-    env = child_env({
-        "PD_PROXY_HOST": "127.0.0.1", "PD_PROXY_PORT": str(port),
-        "PD_PROXY_PREFILL_URL": ",".join(
-            f"{info['prefill']}#bootstrap_port={info['bootstrap_port']}" for _, info in prefills),
-        "PD_PROXY_DECODE_URL": decode_info["decode"], "PD_PROXY_PREFILL_POLICY": policy,
-        "PD_PROXY_AFFINITY_SLACK": slack,
-        "PD_PROXY_LOG_LEVEL": "warning", "PD_PROXY_HEALTH_INTERVAL_SECONDS": "0"})
-    proxy = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, cwd=ROOT)
+def wait_listening(port: int) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            asyncio.run(asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1))
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError("proxy did not start") from None
+            time.sleep(0.05)
+
+
+def run_cell(router: tuple[str, dict[str, str]], name: str, prefills: int, replicas: int,
+             command: list[str]) -> dict[str, Any]:
+    conversations = trace(name)
+    decodes = [start("decode") for _ in range(DECODES)]
+    backends = [start("prefill", "--bootstrap-port", "0", "--prefix-cache-blocks",
+                      str(CACHE_BLOCKS)) for _ in range(prefills)]
+    ports = [free_port() for _ in range(replicas)]
+    proxies = []
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                asyncio.run(asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1))
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError("proxy did not start") from None
-                time.sleep(0.05)
-        before = cpu_sample(proxy.pid)
-        cached, prompt = asyncio.run(drive(port, order))
-        user, system = cpu_delta(before, cpu_sample(proxy.pid))
-        spread, at_home = scrape(port)
-        return {"policy": name, "requests": len(order), "hit_rate": cached / max(prompt, 1),
-                "spread": spread, "at_home": at_home,
-                "cpu_us": (user + system) / len(order) * 1e6}
+        for port in ports:
+            env = child_env({
+                "PD_PROXY_HOST": "127.0.0.1", "PD_PROXY_PORT": str(port),
+                "PD_PROXY_PREFILL_URL": ",".join(
+                    f"{info['prefill']}#bootstrap_port={info['bootstrap_port']}"
+                    for _, info in backends),
+                "PD_PROXY_DECODE_URL": ",".join(info["decode"] for _, info in decodes),
+                "PD_PROXY_LOG_LEVEL": "warning", "PD_PROXY_HEALTH_INTERVAL_SECONDS": "1",
+                **router[1]})
+            proxies.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, cwd=ROOT))
+        for port in ports:
+            wait_listening(port)
+        started = time.perf_counter()
+        sent = asyncio.run(drive(ports, conversations))
+        wall = time.perf_counter() - started
+        counters = [engine_counters(int(info["prefill"].rsplit(":", 1)[1]))
+                    for _, info in backends]
+        legs = [c["vllm:request_success_total"] for c in counters]
+        hits = sum(c["vllm:prefix_cache_hits_total"] for c in counters)
+        queries = sum(c["vllm:prefix_cache_queries_total"] for c in counters)
+        counts = [proxy_counts(port) for port in ports]
+        saved = sum(skipped for skipped, _ in counts)
+        choices: dict[str, float] = {}
+        for _, by_reason in counts:
+            for reason, count in by_reason.items():
+                choices[reason] = choices.get(reason, 0.0) + count
+        total = sum(len(prompt_tokens(path, body)) for path, body in sent)
+        return {"router": router[0], "trace": name, "prefills": prefills,
+                "replicas": replicas, "requests": len(sent), "sent": sent,
+                "hit_rate": hits / max(queries, 1),
+                "spread": max(legs) / (sum(legs) / len(legs)) if sum(legs) else float("nan"),
+                "wall": wall, "decode_first": saved / max(len(sent), 1), "choices": choices,
+                "tokens_saved": 1 - queries / max(total, 1)}
     finally:
-        stop(proxy)
-        for proc, _ in prefills:
+        for proxy in proxies:
+            stop(proxy)
+        for proc, _ in backends + decodes:
             stop(proc)
-        stop(decode)
-
-
-def run_direct(order: list[tuple[int, bytes]]) -> dict[str, Any]:
-    """The same requests straight to one decode: its CPU per request, the baseline."""
-    decode, info = start("decode")
-    try:
-        port = int(info["decode"].rsplit(":", 1)[1])
-        before = cpu_sample(decode.pid)
-        asyncio.run(drive(port, order))
-        user, system = cpu_delta(before, cpu_sample(decode.pid))
-        return {"policy": "direct", "requests": len(order), "hit_rate": None, "spread": None,
-                "at_home": None,
-                "cpu_us": (user + system) / len(order) * 1e6}
-    finally:
-        stop(decode)
 
 
 def run(command: list[str]) -> list[dict[str, Any]]:
-    order = workload()
-    rows = [run_policy(*policy, order, command) for policy in POLICIES]
-    rows.append(run_direct(order))
+    rows = []
+    for name in TRACES:
+        for prefills in PREFILLS:
+            first = None
+            for router in ROUTERS:
+                for replicas in REPLICAS:
+                    row = run_cell(router, name, prefills, replicas, command)
+                    first = first or row
+                    rows.append(row)
+            rows.append({"router": "one big cache", "trace": name, "prefills": prefills,
+                         "replicas": None, "hit_rate": reference_hit_rate(
+                             first["sent"], CACHE_BLOCKS * prefills),
+                         "spread": None, "wall": None})
+    for replicas in REPLICAS:
+        rows.append(run_cell(DECODE_FIRST, "chat", 2, replicas, command))
+    for row in rows:
+        row.pop("sent", None)
     return rows
 
 
 def render(rows: list[dict[str, Any]]) -> str:
-    direct = next(r["cpu_us"] for r in rows if r["policy"] == "direct")
-    lines = [f"prefix: {CONVERSATIONS} conversations x {TURNS} turns, {SYSTEM_WORDS}-token "
-             f"system prompts, 2 prefills with {CACHE_BLOCKS} cache blocks each, "
-             f"concurrency {CONCURRENCY}",
-             f"{'policy':<14}{'hit rate':>10}{'spread':>9}{'at home':>9}{'CPU µs/req':>12}"
-             f"{'x direct':>10}"]
+    lines = [f"prefix: {CONCURRENCY} in flight, {DECODES} decodes, {CACHE_BLOCKS} cache blocks "
+             f"of 16 tokens per prefill, {US_PER_TOKEN} µs per uncached token",
+             f"{'trace':<10}{'prefills':>9}{'router':>15}{'replicas':>9}{'hit rate':>10}"
+             f"{'spread':>8}{'wall s':>8}{'no-prefill':>11}{'saved':>7}"]
     for r in rows:
-        hit = "" if r["hit_rate"] is None else f"{r['hit_rate']:.1%}"
-        spread = "" if r["spread"] is None else f"{r['spread']:.2f}"
-        home = "" if r["at_home"] is None else f"{r['at_home']:.0%}"
-        lines.append(f"{r['policy']:<14}{hit:>10}{spread:>9}{home:>9}{r['cpu_us']:>12.0f}"
-                     f"{r['cpu_us'] / direct:>10.2f}")
+        spread = "" if r.get("spread") is None else f"{r['spread']:.2f}"
+        wall = "" if r.get("wall") is None else f"{r['wall']:.2f}"
+        replicas = "" if r.get("replicas") is None else str(r["replicas"])
+        skip = "" if r["router"] != "decode-first" else f"{r['decode_first']:.0%}"
+        saved = "" if r["router"] != "decode-first" else f"{r['tokens_saved']:.0%}"
+        lines.append(f"{r['trace']:<10}{r['prefills']:>9}{r['router']:>15}{replicas:>9}"
+                     f"{r['hit_rate']:>10.1%}{spread:>8}{wall:>8}{skip:>11}{saved:>7}")
     return "\n".join(lines)
 
 

@@ -101,7 +101,11 @@ async def serve(config: Config, listeners: Listeners, ready: asyncio.Future[int]
     """Run one proxy process until a signal drains it; return the exit status."""
     demo = None
     if config.demo:
-        demo = await start_pair(**pair_options(config.demo_args))  # checked at start
+        options = pair_options(config.demo_args)  # checked at start
+        # Under sglang the demo is strict as SGLang's PD servers are (a decode
+        # leg without bootstrap_room is refused), so the demo shows what they accept.
+        options["sglang_pd"] = options["sglang_pd"] or config.kv_protocol == "sglang"
+        demo = await start_pair(**options)
         config = dataclasses.replace(
             config, prefill=(parse_endpoint(demo[0].url + f"#bootstrap_port="
                                             f"{demo[0].bootstrap_port}"),),

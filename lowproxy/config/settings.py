@@ -224,14 +224,47 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "prefill_policy", "PD_PROXY_PREFILL_POLICY", "--prefill-policy",
-        choice("affinity", "least-loaded", "round-robin"), "affinity",
-        "prefill choice without a scheduler header: affinity (prompt prefix, bounded "
-        "loads), least-loaded (outstanding prompt bytes) or round-robin",
+        choice("cache-aware", "affinity", "least-loaded", "round-robin"), "cache-aware",
+        "prefill choice without a scheduler header: cache-aware (the endpoint holding the "
+        "longest cached prefix, balanced by queued uncached tokens), affinity (prompt "
+        "prefix on a ring, bounded loads), least-loaded (outstanding prompt bytes) or "
+        "round-robin",
     ),
     Setting(
         "affinity_slack", "PD_PROXY_AFFINITY_SLACK", "--affinity-slack", _ratio, "0.25",
         "affinity: no prefill endpoint above (1 + slack) x the average outstanding prompt "
-        "bytes",
+        "bytes; cache-aware: home keeps a request within (1 + slack) x the least queued "
+        "work plus the allowance",
+    ),
+    Setting(
+        "prefix_block_bytes", "PD_PROXY_PREFIX_BLOCK_BYTES", "--prefix-block-bytes",
+        int_in(16, 1 << 20), "256",
+        "cache-aware: bytes of rendered prompt per remembered block (4 bytes a token)",
+    ),
+    Setting(
+        "prefix_cache_tokens", "PD_PROXY_PREFIX_CACHE_TOKENS", "--prefix-cache-tokens",
+        int_in(1, 1 << 40), "262144",
+        "cache-aware: tokens of prompt remembered per endpoint (about its prefix cache's "
+        "size), oldest forgotten first",
+    ),
+    Setting(
+        "cache_allowance_tokens", "PD_PROXY_CACHE_ALLOWANCE_TOKENS",
+        "--cache-allowance-tokens", int_in(0, 1 << 40), "4096",
+        "cache-aware: queued uncached tokens above the least loaded prefill that are no "
+        "imbalance",
+    ),
+    Setting(
+        "decode_first_tokens", "PD_PROXY_DECODE_FIRST_TOKENS", "--decode-first-tokens",
+        int_in(0, 1 << 40), "0",
+        "cache-aware: skip the prefill leg (reason decode-cached) when the decode that "
+        "served the conversation lacks fewer tokens than this (estimated); 0: never; "
+        "never under sglang",
+    ),
+    Setting(
+        "decode_allowance", "PD_PROXY_DECODE_ALLOWANCE", "--decode-allowance",
+        int_in(0, 1 << 20), "4",
+        "cache-aware: requests in flight above the least loaded decode that a "
+        "conversation's decode may have and still take its next turn",
     ),
     Setting(
         "min_prefill_prompt_bytes", "PD_PROXY_MIN_PREFILL_PROMPT_BYTES",
@@ -354,8 +387,13 @@ class Config:
     health_interval: float = 5.0
     health_timeout: float = 2.0
     health_failures: int = 2
-    prefill_policy: str = "affinity"
+    prefill_policy: str = "cache-aware"
     affinity_slack: float = 0.25
+    prefix_block_bytes: int = 256
+    prefix_cache_tokens: int = 262144
+    cache_allowance_tokens: int = 4096
+    decode_first_tokens: int = 0
+    decode_allowance: int = 4
     min_prefill_prompt_bytes: int = 0
     upstream_keepalive: bool = True
     upstream_max_requests: int = 1000

@@ -3,10 +3,10 @@ Mooncake bootstrap in one.
 
 It serves ``--demo`` (a newcomer's first curl works with no GPU), the test
 suite and bench/load.py. It is strict where vLLM 0.33 is strict, so tests catch
-a proxy that shapes legs wrongly; see demo_engine.py (what is accepted, what is
-generated), demo_handshake.py (what a prefill keeps and a decode pulls),
-demo_answers.py (the shapes of the answers) and demo_kv.py (tokens, prefix
-cache, the emulated KV transfer).
+a proxy that shapes legs wrongly; see engine.py (what is accepted, what is
+generated), handshake.py (what a prefill keeps and a decode pulls),
+answers.py (the shapes of the answers) and kv.py (tokens, prefix cache, the
+emulated KV transfer).
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
 ``/v1/messages``, ``/inference/v1/generate`` (with ``scale_out`` only, else
@@ -33,6 +33,7 @@ from ..downstream.messages import ResponseWriter as Responder
 from ..downstream.server import HttpServer
 from .answers import Result, answer, responses_object, stream
 from .engine import (
+    CHAT,
     EMBEDDINGS,
     GENERATE,
     RESPONSES,
@@ -44,7 +45,8 @@ from .engine import (
     route_of,
 )
 from .handshake import NIXL, EngineDead, prefill_kv, pull_kv, sglang_kv
-from .kv import KvRegistry, PrefixCache
+from .kv import KvRegistry, PrefixCache, tokenize
+from .load import EngineLoad
 from .sglang import (
     SGLANG_GENERATE,
     abort,
@@ -75,7 +77,8 @@ class DemoBackend:
                  scale_out: bool = False, relay_connector: str = NIXL,
                  nested_block_ids: bool = False, eos_first: float = 0.0,
                  block_size: int = 16, prefix_cache_blocks: int = 4096,
-                 remote_kv: bool = False, seed: int = 0, sglang_pd: bool = False) -> None:
+                 remote_kv: bool = False, seed: int = 0, sglang_pd: bool = False,
+                 prefill_us_per_token: float = 0.0) -> None:
         self.role = role  # "prefill" or "decode": only SGLang needs to know
         # An SGLang server started with --disaggregation-mode (demo/sglang.py):
         # its decode refuses a request without bootstrap_room, --api-key guards
@@ -102,6 +105,8 @@ class DemoBackend:
         self.nested_block_ids = nested_block_ids  # NIXL 0.33: one list per KV-cache group
         self.eos_first = eos_first  # fraction of requests whose first token is EOS
         self.prefix_cache = PrefixCache(block_size, prefix_cache_blocks)
+        # Prefill time per uncached token, the queue, /metrics and ORCA reports.
+        self.load = EngineLoad(prefill_us_per_token, block_size * max(1, prefix_cache_blocks))
         self.remote_kv = remote_kv  # separate processes: pull through the bootstrap server
         self._rng = random.Random(seed)
         self.faults = Faults()
@@ -220,7 +225,7 @@ class DemoBackend:
         if self.faults.close_without_response:
             responder.drop()
             return
-        responder.watch_client()  # a hang-up cancels this handler, as vLLM aborts
+        request.watch_client()  # a hang-up cancels this handler, as vLLM aborts
         try:
             await self._abortable(request, responder, route, body)
         except asyncio.CancelledError:
@@ -241,6 +246,9 @@ class DemoBackend:
     async def _get(self, path: str, responder: Responder) -> None:
         if path == "/health":
             await responder.send_bytes(503 if self.dead else 200, b"", [])
+        elif path == "/metrics":
+            await responder.send_bytes(200, self.load.metrics_text(self.served_model_names[0]),
+                                       [(b"content-type", b"text/plain; version=0.0.4")])
         elif path == "/version":
             await responder.send_json(200, {"version": "0.33.0-demo"})
         elif path.endswith("/models"):
@@ -319,18 +327,25 @@ class DemoBackend:
             await send_error(responder, 403, "the generate API needs --enable-scale-out",
                               "ForbiddenError")
             return
+        self.load.in_flight += 1
         try:
-            parsed = parse_generate(body) if route == SGLANG_GENERATE else parse(route, body)
-            self._check_model(body, parsed)
-            result = await self._run(request, parsed, body)
-        except Problem as problem:
-            await send_error(responder, problem.status, problem.message, problem.kind,
-                              problem.param, route)
-            return
-        except EngineDead:
-            await send_error(responder, 500, DEAD_MESSAGE, "EngineDeadError")
-            return
-        await self._send(responder, result)
+            try:
+                parsed = parse_generate(body) if route == SGLANG_GENERATE \
+                    else parse(route, body)
+                self._check_model(body, parsed)
+                result = await self._run(request, parsed, body)
+            except Problem as problem:
+                await send_error(responder, problem.status, problem.message, problem.kind,
+                                  problem.param, route)
+                return
+            except EngineDead:
+                await send_error(responder, 500, DEAD_MESSAGE, "EngineDeadError")
+                return
+            orca = [] if result.parsed.stream else self.load.orca_header(
+                request.header(b"endpoint-load-metrics-format"))
+            await self._send(responder, result, orca)
+        finally:
+            self.load.in_flight -= 1
 
     def _check_model(self, body: dict[str, Any], parsed: Parsed) -> None:
         model = body.get("model")
@@ -357,7 +372,13 @@ class DemoBackend:
         check_length(parsed, self.max_model_len)
         if self.stream_chunks and parsed.stream:
             parsed.sampling.cap = self.stream_chunks
-        cached = self.prefix_cache.lookup(parsed.prompts[0])
+        if kv.get("do_remote_prefill"):  # a decode pulling KV computes no prompt
+            cached = self.prefix_cache.lookup(parsed.prompts[0])
+            self.load.looked_up(len(parsed.prompts[0]), cached)
+        else:
+            # Looked up when its turn to compute comes, as vLLM's scheduler does:
+            # a request queued behind one with the same prefix hits its blocks.
+            cached = await self.load.compute(self.prefix_cache, parsed.prompts)
         eos_first = self.eos_first > 0 and self._rng.random() < self.eos_first
         outputs = [[generate(parsed.sampling, eos_first) for _ in range(parsed.sampling.n)]
                    for _ in parsed.prompts]
@@ -375,12 +396,18 @@ class DemoBackend:
                                                  batch_size(parsed.route, body)))
         for prompt in parsed.prompts:
             self.prefix_cache.insert(prompt)
+        if parsed.route == CHAT and not kv.get("do_remote_decode"):
+            # vLLM caches the generated tokens' blocks too: the next turn, which
+            # repeats this answer after the template's role, hits them.
+            self.prefix_cache.insert(parsed.prompts[0] + tokenize(
+                "\nassistant " + outputs[0][0].text))
         store = parsed.route == RESPONSES and body.get("store", True) is not False
         return Result(parsed, request_id, parsed.model, int(time.time()), outputs, cached,
                       self.prompt_tokens_details, answer_kv,
                       bool(body.get("return_token_ids")), store, body)
 
-    async def _send(self, responder: Responder, result: Result) -> None:
+    async def _send(self, responder: Responder, result: Result,
+                    orca: list[tuple[bytes, bytes]] | None = None) -> None:
         if result.parsed.route == SGLANG_GENERATE:
             await send_generate(responder, result)
             return
@@ -389,7 +416,7 @@ class DemoBackend:
         if not result.parsed.stream:
             await responder.send_bytes(200, json_body(answer(result)),
                                        [(b"content-type", b"application/json"),
-                                        *self.faults.extra_headers])
+                                        *(orca or ()), *self.faults.extra_headers])
             return
         events = stream(result)
         await responder.start(200, [(b"content-type", b"text/event-stream; charset=utf-8"),

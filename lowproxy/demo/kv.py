@@ -1,20 +1,20 @@
 """The demo backend's stand-ins for tokens, the prefix cache and the KV transfer.
 
 Tokens: the demo's tokenizer makes one token per whitespace-separated word of
-the rendered prompt (``render_prompt``); a word's id is a stable hash of it
+the rendered prompt (``render_messages``); a word's id is a stable hash of it
 (crc32, so every process and replica agrees), kept clear of the ids the demo
 generates and of ``EOS_TOKEN_ID``. A completions prompt given as token ids is
 taken as is.
 
 Prefix cache: vLLM caches whole KV blocks, each keyed by a hash chained over
 every token before it, and always recomputes at least the prompt's last token.
-``PrefixCache`` does the same on the demo's tokens: bounded (LRU over blocks),
-per backend.
+``PrefixCache`` does the same on the demo's tokens: bounded (LRU over blocks,
+a prompt's tail blocks evicted before its head, as vLLM frees them), per backend.
 
 KV transfer: ``KvRegistry`` records which transfers a prefill computed; a
 prefill and a decode started in one process share one. Started as separate
 processes, the decode asks the prefill's bootstrap server instead
-(``GET /kv?key=...``, see demo.py): the emulated transfer.
+(``GET /kv?key=...``, see backend.py): the emulated transfer.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import zlib
+from array import array
 from collections import OrderedDict
 from typing import Any
 from urllib.parse import quote
@@ -76,29 +77,40 @@ class PrefixCache:
         self._blocks: OrderedDict[int, None] = OrderedDict()
 
     def _chain(self, tokens: list[int]) -> list[int]:
+        # crc32 continued over the token ids' bytes: each block's value covers
+        # every token before it (a chain), computed in C; the index keeps
+        # equal crcs at different depths apart.
         hashes, previous = [], 0
         size = self.block_size
-        for start in range(0, len(tokens) - size + 1, size):
-            block = tokens[start:start + size]
-            previous = zlib.crc32(json.dumps([previous, block]).encode())
-            hashes.append(previous)
+        try:
+            raw = array("q", tokens).tobytes()
+        except OverflowError:  # ids beyond 64 bits: vLLM would refuse them anyway
+            raw = array("q", [token % (1 << 63) for token in tokens]).tobytes()
+        step = size * 8
+        for index, start in enumerate(range(0, len(tokens) - size + 1, size)):
+            previous = zlib.crc32(raw[start * 8:start * 8 + step], previous)
+            hashes.append(previous | (index << 32))
         return hashes
 
     def lookup(self, tokens: list[int]) -> int:
         """How many leading tokens are cached: whole blocks, never the last token."""
-        hit = 0
+        held = []
         for digest in self._chain(tokens[:-1] if tokens else tokens):
             if digest not in self._blocks:
                 break
+            held.append(digest)
+        for digest in reversed(held):  # the first block freshest: see insert
             self._blocks.move_to_end(digest)
-            hit += self.block_size
-        return hit
+        return len(held) * self.block_size
 
     def insert(self, tokens: list[int]) -> None:
         """The prompt's KV is computed (or pulled): its full blocks are now cached."""
         if self.capacity <= 0:
             return
-        for digest in self._chain(tokens):
+        # Last block first, so that a prompt's tail ages out before its head, as
+        # vLLM frees a request's blocks in reverse: evicting a first block would
+        # make every block after it useless.
+        for digest in reversed(self._chain(tokens)):
             self._blocks[digest] = None
             self._blocks.move_to_end(digest)
         while len(self._blocks) > self.capacity:

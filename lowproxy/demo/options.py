@@ -74,6 +74,9 @@ def parser(kind: type[argparse.ArgumentParser] = argparse.ArgumentParser
                    help="as SGLang servers started with --disaggregation-mode: the decode "
                         "refuses a request without bootstrap_room (400), --api-key guards "
                         "every path but /health and /metrics, POST /generate is served")
+    p.add_argument("--prefill-us-per-token", type=float, default=0.0,
+                   help="emulated compute: microseconds per uncached prompt token, one "
+                        "request at a time (0: none)")
     p.add_argument("--record", action="store_true",
                    help="keep every request received in memory (tests; off for benchmarks)")
     return p
@@ -112,7 +115,8 @@ def knobs_of(args: argparse.Namespace) -> dict[str, Any]:
             "scale_out": args.enable_scale_out, "relay_connector": args.relay_connector,
             "nested_block_ids": args.nested_block_ids, "eos_first": args.eos_first,
             "block_size": args.block_size, "prefix_cache_blocks": args.prefix_cache_blocks,
-            "sglang_pd": args.sglang_pd}
+            "sglang_pd": args.sglang_pd,
+            "prefill_us_per_token": args.prefill_us_per_token}
 
 
 __all__ = ["knobs_of", "pair_kwargs", "pair_options", "parser"]

@@ -213,6 +213,11 @@ class Metrics:
         self.endpoint_in_flight = Gauge("lowproxy_endpoint_in_flight",
                                         "Requests in flight on each backend endpoint.",
                                         ("role", "endpoint"))
+        self.endpoint_engine_load = Gauge(
+            "lowproxy_endpoint_engine_load",
+            "What each engine last reported of its load (ORCA header, /metrics): waiting, "
+            "running, kv_usage; absent for an engine that reports nothing.",
+            ("role", "endpoint", "metric"))
         self.prefill_choice = Counter(
             "lowproxy_prefill_choice_total",
             "Prefill endpoint choices by reason (header, affinity, load, only, round-robin).",
@@ -240,7 +245,8 @@ class Metrics:
                 self.client_connections, self.in_flight, self.upstream_connections,
                 self.cooldown, self.bootstrap_entries, self.tasks, self.endpoint_requests,
                 self.endpoint_failures, self.endpoint_health, self.endpoint_in_flight,
-                self.prefill_choice, self.prefill_prompt_tokens, self.prefill_cached_tokens]
+                self.endpoint_engine_load, self.prefill_choice, self.prefill_prompt_tokens,
+                self.prefill_cached_tokens]
 
     def snapshot(self) -> Snapshot:
         """This process's values in plain JSON types (gauge callbacks read now)."""

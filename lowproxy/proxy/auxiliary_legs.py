@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Coroutine
+from typing import Any, Callable, Coroutine
 
+from .._types import Headers
 from ..answers import json_body
-from ..downstream.messages import Headers
 from ..handshakes.backend_json import MAX_PREFILL_ANSWER_BYTES
 from ..observability import logs
 from ..timeouts import deadline
-from ..upstream.pool import Endpoint, Upstream, UpstreamError, UpstreamResponse
+from ..upstream.endpoint import Endpoint
+from ..upstream.errors import UpstreamTimeout, UpstreamUnreachable
+from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse
 from .failures import PrefillResult, prefill_outcome
 
 # SGLang's POST /abort_request: best effort, and never waited on by a client.
@@ -24,13 +26,15 @@ ABORT_TIMEOUT_SECONDS = 2.0
 ABORT_HEADERS = [(b"content-type", b"application/json")]
 MAX_ABORTED_RIDS = 256  # a batch's children, aborted one by one
 
-log = logging.getLogger("lowproxy.exchange")
+log = logging.getLogger("lowproxy.dispatch")
 
 
 async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes,
                            headers: Headers, body: bytes, extra_headers: Headers,
                            want_kv: bool, timeout: float,
-                           surface: str | None = None) -> tuple[PrefillResult, int | None]:
+                           surface: str | None = None,
+                           on_load: Callable[[bytes | None], None] | None = None,
+                           ) -> tuple[PrefillResult, int | None]:
     """One prefill leg and what its answer means; never raises for a backend failure.
 
     The outcome ``unreachable`` (nothing was sent) lets the caller cool the
@@ -42,6 +46,9 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
             response = await upstream.request(endpoint, b"POST", target, headers, body,
                                               extra_headers=extra_headers)
             status = response.status
+            if on_load is not None:  # the ORCA load report (engine_load.py), if any
+                on_load(next((value for name, value in response.headers
+                              if name.lower() == b"endpoint-load-metrics"), None))
             try:
                 raw = await response.read(MAX_PREFILL_ANSWER_BYTES)
             finally:
@@ -51,7 +58,8 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
         return PrefillResult(False, "timeout",
                              detail=f"prefill did not answer within {timeout:g}s"), status
     except UpstreamError as exc:
-        outcome = {"unreachable": "unreachable", "timeout": "timeout"}.get(exc.reason, "error")
+        outcome = ("unreachable" if isinstance(exc, UpstreamUnreachable)
+                   else "timeout" if isinstance(exc, UpstreamTimeout) else "error")
         return PrefillResult(False, outcome, detail=exc.detail), status
 
 

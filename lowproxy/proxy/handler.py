@@ -20,8 +20,8 @@ from ..config.settings import Config
 from ..downstream.messages import ClientRequest, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.client_body import BodyError, parse_client_body, wants_stream, without_client_kv
-from ..handshakes.legs import Plan, decode_only_plan, serialise
-from ..handshakes.planner import plan_generation
+from ..handshakes.legs import decode_only_plan, serialise
+from ..handshakes.planner import Generation, plan_generation
 from ..handshakes.rules import decode_would_reject
 from ..headers import forwarded_request_headers, header_value
 from ..ids import Ids
@@ -30,22 +30,24 @@ from ..observability import logs
 from ..observability.metrics import Metrics
 from ..routes import (
     ADMIN,
-    CHAT,
-    GENERATION,
     HEALTH,
     MESSAGES,
     METRICS,
     READY,
     classify,
+    route_and_surface,
     speaks_anthropic,
-    surface_of,
 )
 from ..routing.affinity import PromptFacts, prompt_facts
+from ..routing.blocks import NO_BLOCKS, PromptBlocks
+from ..routing.cache_router import CacheRouter
+from ..routing.engine_load import EngineLoads
 from ..routing.groups import BackendGroup, PrefillTargetAllowList
 from ..routing.health import HealthMonitor
 from ..routing.prefill import PrefillChooser, TargetRefused
 from ..tls import TrustStore
-from ..upstream.pool import Endpoint, Resolver, Upstream, system_resolver
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Resolver, Upstream, system_resolver
 from .admin import Instances
 from .dispatch import Dispatcher
 from .exchange import Exchange
@@ -70,17 +72,27 @@ class Proxy:
         counted = (self.metrics.endpoint_requests, self.metrics.endpoint_failures)
         self.prefill = BackendGroup("prefill", config.prefill, *counted)
         self.decode = BackendGroup("decode", config.decode, *counted)
+        # keys.py: the backend key on every leg, the client keys every request needs
+        self.backend_key = BackendKey(config.backend_api_key, config.backend_api_key_file)
+        # What the engines report of their load, and cache-aware routing over it.
+        self.engine_loads = EngineLoads(self.upstream, (self.prefill, self.decode),
+                                        config.health_interval, config.health_timeout,
+                                        self.backend_key.headers)
+        self.router = CacheRouter(config, self.engine_loads) \
+            if config.prefill_policy == "cache-aware" else None
         self.prefill_choice = PrefillChooser(
             self.prefill, PrefillTargetAllowList(config.prefill_header_allow), self.upstream,
-            config.prefill_policy, config.affinity_slack, self.metrics.prefill_choice)
+            config.prefill_policy, config.affinity_slack, self.metrics.prefill_choice,
+            self.router)
         self.bootstrap = BootstrapCache(self.upstream, config.mooncake_bootstrap_port,
                                         on_query=self._bootstrap_observed)
         self.tracing = Tracing.create(config.otel)
         self.dispatch = Dispatcher(config, self.upstream, self.prefill, self.decode,
-                                   self.bootstrap, self.metrics, self.tracing)
+                                   self.bootstrap, self.metrics, self.tracing,
+                                   prefill_ended=self._prefill_ended)
+        if self.router is not None:
+            self.dispatch.engine_loads = self.engine_loads  # prefill legs ask for ORCA
         self.resolver = resolver or system_resolver
-        # keys.py: the backend key on every leg, the client keys every request needs
-        self.backend_key = BackendKey(config.backend_api_key, config.backend_api_key_file)
         self.client_keys = ClientKeys(config.client_api_keys, config.client_api_keys_file)
         self.instances = Instances(config.admin_api_key, self.prefill, self.decode,
                                    self.upstream, self.backend_key, config.workers)
@@ -101,6 +113,8 @@ class Proxy:
         await self.refresh_discovery()
         self.health.start(loop)  # checks and model lists, in the background
         await self.health.first_checks()  # bounded: ready only once decode was checked
+        if self.router is not None:
+            self.engine_loads.start(loop)  # /metrics every health interval
         self._maintenance = loop.create_task(self._maintain())
 
     async def refresh_discovery(self) -> None:
@@ -124,6 +138,7 @@ class Proxy:
         if self._maintenance is not None:
             self._maintenance.cancel()
         await self.health.close()
+        await self.engine_loads.close()
         await self.dispatch.close(grace)
         for endpoint in self.all_endpoints():
             self.upstream.close_idle(endpoint)
@@ -139,7 +154,7 @@ class Proxy:
     # -- the handler
 
     async def handle(self, request: ClientRequest, responder: ResponseWriter) -> None:
-        route = classify(request.method, request.path, self.sglang)
+        route, surface = route_and_surface(request.method, request.path, self.sglang)
         if route == HEALTH:
             await self._local(responder, route, 200, answers.HEALTH_OK)
             return
@@ -170,8 +185,8 @@ class Proxy:
         try:
             if route == ADMIN:
                 await self.instances.handle(request, responder)
-            elif route == GENERATION:
-                await self._generation(exchange, responder)
+            elif surface is not None:  # route GENERATION
+                await self._generation(exchange, responder, surface)
             else:
                 await self._passthrough(exchange, responder)
         finally:
@@ -253,7 +268,8 @@ class Proxy:
 
     # -- requests that reach backends
 
-    async def _generation(self, exchange: Exchange, responder: ResponseWriter) -> None:
+    async def _generation(self, exchange: Exchange, responder: ResponseWriter,
+                          surface: str) -> None:
         request = exchange.request
         try:
             body = without_client_kv(parse_client_body(request.body))
@@ -261,7 +277,6 @@ class Proxy:
             await responder.send_bytes(400, answers.invalid_body(str(exc)))
             return
         request.body = b""  # parsed: a long stream must not keep the raw prompt too
-        surface = surface_of(request.path, self.sglang) or CHAT
         rejected = decode_would_reject(body, surface)
         if rejected is not None:
             # Decode would reject it after prefill computed a KV nobody reads.
@@ -284,24 +299,50 @@ class Proxy:
             await responder.send_bytes(refused.status, answers.prefill_target_refused(
                 refused.status, refused.message, surface == MESSAGES))
             return
-        responder.watch_client()
+        request.watch_client()
         exchange.handshake = self.config.kv_protocol
         exchange.surface = surface
         facts = self._prompt_facts(surface, body)
-        lease = self.prefill_choice.lease(named, facts, model)
-        planning = plan_generation(self.config, self.bootstrap, self.ids, surface, request.target,
-                                   body, lease, lease.configured, facts.size, lease.release)
+        router = self.router
+        blocks = NO_BLOCKS if router is None else router.blocks(surface, body)
+        decode_cached = router is not None and self._decode_first(exchange, router, blocks,
+                                                                  model, named)
+        exchange.prefill_lease = self.prefill_choice.lease(named, facts, model, blocks)
+        planning = plan_generation(self.config, self.bootstrap, self.ids,
+                                   Generation(surface, request.target, request.path_bytes, body,
+                                              facts.size, decode_cached),
+                                   exchange.prefill_lease)
         del body  # the plan holds it until decode's response is open, and no longer
         exchange.model = model  # decode's pick: endpoints serving the model
         try:
             await self.dispatch.run(exchange, responder, planning)
         finally:
-            lease.release()
+            if router is not None and exchange.decode_endpoint is not None \
+                    and exchange.first_byte_ms is not None:
+                router.served_decode(exchange.decode_endpoint, blocks)
+
+    @staticmethod
+    def _prefill_ended(exchange: Exchange) -> None:
+        """Dispatch says the prefill leg is over (or none was sent): its load goes."""
+        if exchange.prefill_lease is not None:
+            exchange.prefill_lease.release()
+
+    def _decode_first(self, exchange: Exchange, router: CacheRouter, blocks: PromptBlocks,
+                      model: str | None, named: Endpoint | None) -> bool:
+        """The decode holding the conversation, if its load allows; whether it may
+        compute the rest itself (no prefill leg: decode-cached)."""
+        router.prune("decode", self.decode.endpoints)
+        now = time.monotonic()
+        usable = [e for e in self.decode.candidates(model) if e.usable(now)]
+        preferred, lacks = router.choose_decode(usable, blocks)
+        exchange.decode_preferred = preferred
+        return preferred is not None and named is None and router.decode_cached(lacks)
 
     def _prompt_facts(self, surface: str, body: dict) -> PromptFacts:
         """The prefix key and prompt size, when a setting reads them."""
         config = self.config
-        if config.prefill_policy == "round-robin" and not config.min_prefill_prompt_bytes:
+        if config.prefill_policy in ("round-robin", "cache-aware") \
+                and not config.min_prefill_prompt_bytes:
             return PromptFacts(None, None)
         return prompt_facts(surface, body)
 
@@ -320,10 +361,9 @@ class Proxy:
         elif request.body:
             body = request.body
         request.body = b""
-        responder.watch_client()
+        request.watch_client()
         await self.dispatch.run(exchange, responder,
-                                _ready_plan(decode_only_plan(request.method, request.target,
-                                                             body)))
+                                decode_only_plan(request.method, request.target, body))
 
     # -- metrics read at scrape time
 
@@ -347,10 +387,7 @@ class Proxy:
         metrics.bootstrap_entries.read = lambda: [((), len(self.bootstrap))]
         metrics.endpoint_health.read = self.health.health_states
         metrics.endpoint_in_flight.read = self.health.in_flight
-
-
-async def _ready_plan(plan: Plan) -> Plan:
-    return plan
+        metrics.endpoint_engine_load.read = self.engine_loads.gauges
 
 
 def _ms(value: float | None) -> float | None:

@@ -4,15 +4,19 @@ A scheduler's choice (``x-prefiller-host-port``, llm-d's convention) always
 wins when the allow list admits it. Otherwise, among the healthy endpoints
 that serve the request's model and are not cooling down:
 
-- ``affinity`` (default): the request's prefix key (affinity.py) on a hash
+- ``cache-aware`` (default): the endpoint holding the longest part of the
+  prompt, balanced by queued uncached tokens (cache_router.py, cache_aware.py);
+  the reason counted is cache (a match took it), cold (nobody held it: placed
+  by rendezvous hashing) or load;
+- ``affinity``: the request's prefix key (affinity.py) on a hash
   ring of the endpoints' names, with bounded loads, so requests sharing a
   prefix hit one endpoint's prefix cache; requests without a key go by load;
 - ``least-loaded``: the fewest outstanding prompt bytes;
 - ``round-robin``: in turn, as lowproxy did before.
 
 Load is outstanding prompt bytes (a 100k-token prompt is not one unit),
-counted from the choice until the request ends: the proxy releases it then
-(dispatch does not report the end of the prefill leg itself). Each choice is
+counted from the choice until the prefill leg ends: dispatch reports that once
+(also when no leg was sent), and the proxy releases the request's lease then. Each choice is
 counted in lowproxy_prefill_choice_total by its reason: header, affinity (the
 key's home endpoint), load (bounded loads sent the key on, no key, or the
 least-loaded policy), only (one usable endpoint: nothing was chosen) or
@@ -27,11 +31,14 @@ from collections import OrderedDict
 
 from ..config.settings import EndpointSpec, split_host_port
 from ..observability.metrics import Counter
-from ..upstream.pool import Endpoint, Upstream
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Upstream
 from .affinity import PromptFacts, Ring, choose_bounded, stable_hash
+from .blocks import NO_BLOCKS, PromptBlocks
+from .cache_router import CacheRouter
 from .groups import HEADER_TARGETS_KEPT, BackendGroup, PrefillTargetAllowList
 
-POLICIES = ("affinity", "least-loaded", "round-robin")
+POLICIES = ("cache-aware", "affinity", "least-loaded", "round-robin")
 
 
 class TargetRefused(Exception):
@@ -54,8 +61,9 @@ class PrefillChooser:
 
     def __init__(self, group: BackendGroup, allow: PrefillTargetAllowList,
                  upstream: Upstream, policy: str = "round-robin", slack: float = 0.25,
-                 choices: Counter | None = None) -> None:
+                 choices: Counter | None = None, router: CacheRouter | None = None) -> None:
         self.group = group
+        self.router = router if policy == "cache-aware" else None
         self.allow = allow
         self.upstream = upstream
         self.policy = policy
@@ -75,8 +83,21 @@ class PrefillChooser:
         return self._named_endpoint(random.choice(targets)) if targets else None
 
     def lease(self, named: Endpoint | None, facts: PromptFacts,
-              model: str | None) -> PrefillLease:
-        return PrefillLease(self, named, facts, model)
+              model: str | None, blocks: PromptBlocks = NO_BLOCKS) -> PrefillLease:
+        return PrefillLease(self, named, facts, model, blocks)
+
+    def choose_cached(self, blocks: PromptBlocks, model: str | None
+                      ) -> tuple[Endpoint | None, float]:
+        """cache-aware: (the endpoint, the uncached tokens queued on it until released)."""
+        router = self.router
+        assert router is not None
+        now = time.monotonic()
+        usable = [e for e in self.group.candidates(model) if e.usable(now)]
+        if not usable:  # all cooling down or out: try one anyway
+            return self._counted(self.group.soonest_usable(model), "load"), 0.0
+        router.prune("prefill", self.group.endpoints)
+        endpoint, cost, reason = router.choose_prefill(usable, blocks)
+        return self.group.count_sent(self._counted(endpoint, reason)), cost
 
     def choose(self, named: Endpoint | None, facts: PromptFacts,
                model: str | None) -> Endpoint | None:
@@ -158,18 +179,21 @@ class PrefillChooser:
 
 
 class PrefillLease:
-    """One request's prefill choice, made when the planner asks, released when it ends."""
+    """One request's prefill choice, made when the planner asks, released (once) when
+    dispatch reports its prefill leg ended."""
 
-    __slots__ = ("chooser", "named", "facts", "model", "endpoint", "cost")
+    __slots__ = ("chooser", "named", "facts", "model", "endpoint", "cost", "blocks", "queued")
 
     def __init__(self, chooser: PrefillChooser, named: Endpoint | None, facts: PromptFacts,
-                 model: str | None) -> None:
+                 model: str | None, blocks: PromptBlocks = NO_BLOCKS) -> None:
         self.chooser = chooser
         self.named = named
         self.facts = facts
         self.model = model
         self.endpoint: Endpoint | None = None
         self.cost = 0
+        self.blocks = blocks
+        self.queued = 0.0  # cache-aware: uncached tokens queued on the endpoint
 
     @property
     def configured(self) -> bool:
@@ -177,7 +201,10 @@ class PrefillLease:
         return self.named is not None or self.chooser.group.configured
 
     def __call__(self) -> Endpoint | None:
-        endpoint = self.chooser.choose(self.named, self.facts, self.model)
+        if self.named is None and self.chooser.router is not None:
+            endpoint, self.queued = self.chooser.choose_cached(self.blocks, self.model)
+        else:
+            endpoint = self.chooser.choose(self.named, self.facts, self.model)
         if endpoint is not None:
             self.cost = max(1, self.facts.size or 0)
             outstanding = self.chooser.outstanding
@@ -189,6 +216,9 @@ class PrefillLease:
         endpoint, self.endpoint = self.endpoint, None
         if endpoint is None:
             return
+        if self.queued and self.chooser.router is not None:
+            self.chooser.router.release_prefill(endpoint, self.queued)
+            self.queued = 0.0
         outstanding = self.chooser.outstanding
         left = outstanding.get(endpoint, 0) - self.cost
         if left > 0:

@@ -8,7 +8,7 @@ state. lowproxy drives the request/response cycle on that state itself
 hooks, a lock and several generator hops per request, about 110 µs of the two
 cycles a PD request makes (issue 21).
 
-What is relied on, each pinned by tests/test_httpcore_fence.py:
+What is relied on, each pinned by tests/upstream/test_httpcore_fence.py:
 
 - ``AsyncHTTP11Connection(origin, stream, keepalive_expiry=...)`` does no I/O;
 - ``AsyncHTTP11Connection._h11_state``: an ``h11.Connection`` in the CLIENT

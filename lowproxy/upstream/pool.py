@@ -27,7 +27,8 @@ from collections.abc import Awaitable, Callable, Iterable
 import h11
 import httpcore
 
-from ..config.settings import Config, EndpointSpec
+from ..config.settings import Config
+from ..headers import body_framing
 from ..tls import TrustStore, TrustUnavailable
 from .chunked import ChunkedError, ChunkedRelay, Deliver
 from .cycle import (
@@ -39,6 +40,7 @@ from .cycle import (
     finish_chunked,
     request_bytes,
 )
+from .endpoint import Endpoint, PooledConnection
 from .errors import (
     UpstreamClosed,
     UpstreamError,
@@ -49,7 +51,7 @@ from .errors import (
     UpstreamUntrusted,
 )
 from .httpcore_internals import adopt
-from .stream import AsyncioBackend, AsyncioStream
+from .stream import AsyncioBackend
 
 __all__ = ["Endpoint", "Upstream", "UpstreamResponse", "UpstreamError", "UpstreamClosed",
            "UpstreamNotRetried", "UpstreamProtocolError", "UpstreamTimeout",
@@ -68,59 +70,6 @@ _DONE = h11.DONE
 _NOTHING_TRAILING = (b"", False)
 
 
-class Endpoint:
-    """One address to send requests to, with its pool and its load figures."""
-
-    __slots__ = ("spec", "label", "connect_host", "port", "tls", "server_hostname",
-                 "origin", "host_header", "base_path", "idle", "in_flight", "open",
-                 "cooldown_until", "bootstrap_host")
-
-    def __init__(self, spec: EndpointSpec, address: str | None = None) -> None:
-        self.spec = spec
-        self.connect_host = address or spec.host
-        self.port = spec.port
-        self.tls = spec.tls
-        # TLS verifies the configured name, never the address it resolved to.
-        self.server_hostname = spec.host
-        shown = f"[{self.connect_host}]" if ":" in self.connect_host else self.connect_host
-        self.label = f"{spec.scheme}://{shown}:{spec.port}"
-        self.origin = httpcore.Origin(spec.scheme.encode(), self.connect_host.encode(), spec.port)
-        name = f"[{spec.host}]" if ":" in spec.host else spec.host
-        self.host_header = f"{name}:{spec.port}".encode()
-        self.base_path = spec.base_path.encode()
-        # Where a KV bootstrap server of this endpoint listens: its address.
-        self.bootstrap_host = self.connect_host
-        self.idle: list[_Pooled] = []
-        self.in_flight = 0
-        self.open = 0
-        self.cooldown_until = 0.0
-
-    def usable(self, now: float) -> bool:
-        return now >= self.cooldown_until
-
-    def __repr__(self) -> str:
-        return f"<Endpoint {self.label} in_flight={self.in_flight} idle={len(self.idle)}>"
-
-
-class _Pooled:
-    """One upstream connection and what decides its retirement."""
-
-    __slots__ = ("http", "stream", "h11", "created", "generation", "requests", "idle_since",
-                 "on_idle_event")
-
-    def __init__(self, http: httpcore.AsyncHTTP11Connection, stream: AsyncioStream,
-                 h11_state: h11.Connection, generation: int,
-                 on_idle_event: Callable[[_Pooled], None]) -> None:
-        self.http = http  # httpcore's connection: it owns the stream and the h11 state
-        self.stream: AsyncioStream | None = stream
-        self.h11 = h11_state
-        self.created = self.idle_since = time.monotonic()
-        self.generation = generation
-        self.requests = 0
-        # What the idle watch calls when anything arrives (made once per connection).
-        self.on_idle_event = functools.partial(on_idle_event, self)
-
-
 class UpstreamResponse:
     """A backend's response: status and headers now, the body as it arrives.
 
@@ -133,7 +82,7 @@ class UpstreamResponse:
     __slots__ = ("status", "headers", "endpoint", "_pooled", "_head", "_upstream",
                  "_complete", "_closed", "_chunked")
 
-    def __init__(self, upstream: Upstream, endpoint: Endpoint, pooled: _Pooled,
+    def __init__(self, upstream: Upstream, endpoint: Endpoint, pooled: PooledConnection,
                  head: HeadReader, method: bytes) -> None:
         response, head.response = head.response, None  # a long stream keeps no h11 event
         assert response is not None, "made once the final head is in"
@@ -145,11 +94,10 @@ class UpstreamResponse:
         self._head: HeadReader | None = head
         self._complete = False
         self._closed = False
-        framed_by_te = any(name.lower() == b"transfer-encoding" for name, _ in headers)
+        _, framed_by_te = body_framing(headers)
         if framed_by_te:
-            # Transfer-Encoding beats Content-Length (RFC 9112 section 6.3, as h11
-            # frames it): a length sent beside it describes nothing and must not
-            # reach anyone who might frame the relayed body by it.
+            # A length beside Transfer-Encoding describes nothing (body_framing)
+            # and must not reach anyone who might frame the relayed body by it.
             headers = [(n, v) for n, v in headers if n.lower() != b"content-length"]
         self.headers = headers
         # A chunked body (a stream) is decoded by ChunkedRelay, not by h11.
@@ -305,8 +253,8 @@ class Upstream:
             endpoint.in_flight -= 1
             raise
 
-    async def _send(self, endpoint: Endpoint, pooled: _Pooled, method: bytes, target: bytes,
-                    headers: list[tuple[bytes, bytes]], body: bytes | None,
+    async def _send(self, endpoint: Endpoint, pooled: PooledConnection, method: bytes,
+                    target: bytes, headers: list[tuple[bytes, bytes]], body: bytes | None,
                     on_informational: Informational | None) -> UpstreamResponse:
         """One request on one connection, up to the final head; closes it on failure."""
         stream = pooled.stream
@@ -343,7 +291,7 @@ class Upstream:
 
     # -- the pool
 
-    def _checkout(self, endpoint: Endpoint) -> _Pooled | None:
+    def _checkout(self, endpoint: Endpoint) -> PooledConnection | None:
         if not endpoint.idle:
             return None
         generation = self.trust.current_generation() if endpoint.tls else 0
@@ -360,7 +308,7 @@ class Upstream:
             return pooled
         return None
 
-    async def _connect(self, endpoint: Endpoint) -> _Pooled:
+    async def _connect(self, endpoint: Endpoint) -> PooledConnection:
         ssl_context = None
         generation = 0
         if endpoint.tls:
@@ -377,10 +325,10 @@ class Upstream:
             raise UpstreamUnreachable(str(exc), endpoint) from None
         http, h11_state = adopt(endpoint.origin, stream, self.config.upstream_idle)
         endpoint.open += 1
-        return _Pooled(http, stream, h11_state, generation,
+        return PooledConnection(http, stream, h11_state, generation,
                        functools.partial(self._drop_idle, endpoint))
 
-    def _finish(self, endpoint: Endpoint, pooled: _Pooled) -> None:
+    def _finish(self, endpoint: Endpoint, pooled: PooledConnection) -> None:
         """A response read to its end: pool its connection, or retire it. Never suspends."""
         endpoint.in_flight -= 1
         config = self.config
@@ -407,14 +355,14 @@ class Upstream:
                 return
         self._discard(endpoint, pooled)
 
-    def _discard(self, endpoint: Endpoint, pooled: _Pooled) -> None:
+    def _discard(self, endpoint: Endpoint, pooled: PooledConnection) -> None:
         if pooled.stream is None:
             return
         pooled.stream.close()
         pooled.stream = None
         endpoint.open -= 1
 
-    def _drop_idle(self, endpoint: Endpoint, pooled: _Pooled) -> None:
+    def _drop_idle(self, endpoint: Endpoint, pooled: PooledConnection) -> None:
         """A pooled connection heard from while idle (see _finish)."""
         try:
             endpoint.idle.remove(pooled)

@@ -1,0 +1,123 @@
+"""A request's prompt as chained hashes of fixed-size blocks, for cache-aware routing.
+
+vLLM and SGLang cache a prompt's KV in blocks, each keyed by everything before
+it; a router that remembers, at block granularity, what it sent where can tell
+which endpoint's cache holds the longest part of a new prompt (cache_aware.py).
+The router has no tokenizer, so blocks are of bytes of the rendered prompt:
+
+- chat, Messages, Responses: each message as ``role NUL text SOH``, in order
+  (the system prompt first), so a conversation's next turn starts with the
+  bytes of the turn before it;
+- completions: the prompt's text; token-id prompts and generate: 4 bytes per id.
+
+Block i's key covers every block before it: the xor of the hashes of each
+block paired with a constant of its depth, accumulated (``itertools.accumulate``),
+so the whole chain is computed by C loops over bytes already in hand (issue
+22 budgets 15 µs for routing an 8 KB prompt; a Python loop per block costs
+more). The block hash is Python's own ``hash()`` of bytes: the keys live in
+this process's index only. What replicas must agree on, the first block's
+hash for cold placement, is crc32 (the same in every process). A prompt is
+estimated at TOKEN_BYTES bytes per token.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import zlib
+from array import array
+from functools import lru_cache
+from itertools import accumulate
+from operator import xor
+from typing import Any, Mapping, NamedTuple
+
+TOKEN_BYTES = 4  # bytes of text per token, the estimate every figure here uses
+# One constant per depth: the same blocks at another depth make other keys.
+_DEPTHS = (lambda rng: tuple(rng.getrandbits(62) for _ in range(1 << 14)))(random.Random(22))
+_LEADING = ("system", "developer")
+
+
+class PromptBlocks(NamedTuple):
+    chain: list[int]  # one hash per whole block, in order
+    tokens: int       # estimated prompt tokens
+    first: int        # crc32 of the first block (of the prompt, if shorter): cold placement
+
+
+NO_BLOCKS = PromptBlocks([], 0, 0)
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(part["text"] for part in content
+                       if isinstance(part, dict) and isinstance(part.get("text"), str))
+    return ""
+
+
+def _conversation(system: Any, messages: Any) -> bytes:
+    parts = [f"system\0{_text(system)}\1"] if system is not None else []
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, dict):
+                role = message.get("role")
+                parts.append(f"{role if isinstance(role, str) else ''}\0"
+                             f"{_text(message.get('content'))}\1")
+    return "".join(parts).encode("utf-8", "surrogatepass")
+
+
+def _ids(ids: list[Any]) -> bytes | None:
+    if not all(isinstance(token, int) and not isinstance(token, bool) for token in ids):
+        return None
+    try:
+        return array("I", ids).tobytes()
+    except OverflowError:
+        return array("I", [token % (1 << 32) for token in ids]).tobytes()
+
+
+def rendered(surface: str, body: Mapping[str, Any]) -> bytes | None:
+    """The prompt bytes blocks are cut from; None for a shape with no prompt."""
+    if surface == "chat":
+        return _conversation(None, body.get("messages"))
+    if surface == "messages":
+        return _conversation(body.get("system"), body.get("messages"))
+    if surface == "responses":
+        given = body.get("input")
+        if isinstance(given, str):
+            given = [{"role": "user", "content": given}]
+        return _conversation(body.get("instructions"), given)
+    if surface == "completions":
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt.encode("utf-8", "surrogatepass")
+        return _ids(prompt) if isinstance(prompt, list) and prompt else None
+    if surface == "generate":
+        ids = body.get("token_ids")
+        return _ids(ids) if isinstance(ids, list) and ids else None
+    return None
+
+
+@lru_cache(maxsize=8)
+def _splitter(block_bytes: int) -> re.Pattern[bytes]:
+    return re.compile(b".{%d}" % block_bytes, re.S)
+
+
+def chain_of(data: bytes, block_bytes: int) -> list[int]:
+    """The chained key of every whole block of ``data`` (the first 16384 blocks)."""
+    blocks = _splitter(block_bytes).findall(data)
+    # hash((block, depth)): mixed non-linearly, so equal blocks never cancel out.
+    return list(accumulate(map(hash, zip(blocks, _DEPTHS, strict=False)), xor))
+
+
+def prompt_blocks(surface: str, body: Mapping[str, Any], block_bytes: int) -> PromptBlocks:
+    data = rendered(surface, body)
+    if data is None:
+        return NO_BLOCKS
+    chain = chain_of(data, block_bytes)
+    first = zlib.crc32(data[:block_bytes])
+    return PromptBlocks(chain, len(data) // TOKEN_BYTES + 1, first)
+
+
+__all__ = ["NO_BLOCKS", "TOKEN_BYTES", "PromptBlocks", "chain_of", "prompt_blocks", "rendered"]

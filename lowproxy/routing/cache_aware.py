@@ -1,0 +1,144 @@
+"""Cache-aware choice, pure: what was sent where, the longest match, cold placement.
+
+``PrefixIndex`` remembers, per endpoint label, the block hashes of the prompts
+sent there (blocks.py), bounded by the endpoint's prefix cache size and
+aged as its LRU would: a prompt's blocks are touched first block last, so a
+chain ages tail first, as vLLM evicts, and what an endpoint holds of a chain is
+always a prefix of it (the longest match is found by bisection).
+
+``choose`` picks, among the usable endpoints:
+
+1. home: the endpoint holding the longest match; ties, and a prompt nobody
+   holds, go by rendezvous hashing of the first block over the endpoint
+   labels, so that replicas agree on cold placements without sharing state,
+   and an endpoint leaving moves only the prefixes it held;
+2. unless home is overloaded: each endpoint's work is its queued uncached
+   tokens (the proxy's own estimate, or what the engine reported, whichever is
+   more) plus this request's uncached tokens there; home keeps the request
+   while its work stays within (1 + slack) x the least work plus an absolute
+   allowance (a handful of requests is no imbalance), and while its prefill
+   legs in flight stay under LEG_ROOM x the mean plus one; otherwise the
+   least worked endpoint takes it (and from then on holds that prefix too).
+"""
+
+from __future__ import annotations
+
+import zlib
+from operator import itemgetter
+from typing import Mapping, NamedTuple, Sequence
+
+_MASK = (1 << 64) - 1
+# No endpoint takes more than this many times the mean prefill legs in flight
+# (plus one): hits cost little, and a hot prefix would pile on one engine.
+LEG_ROOM = 2.0
+
+
+def mix64(value: int) -> int:
+    """splitmix64's finaliser: a well-spread 64-bit value, the same in every process."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK
+    return value ^ (value >> 31)
+
+
+def label_salt(label: str) -> int:
+    """A label's rendezvous salt: stable across processes (no per-process hash())."""
+    encoded = label.encode()
+    return zlib.crc32(encoded) << 32 | zlib.adler32(encoded)
+
+
+class PrefixIndex:
+    """Per label, the blocks sent there with when, at most ``capacity`` (+ a quarter).
+
+    A block's value is its last use, deeper blocks of one prompt a little
+    older (``tick << 20`` minus its depth), so dropping the oldest values drops
+    a chain's tail first. Recording is one ``dict.update`` (C speed, no
+    reordering); the oldest are dropped in one sort once a quarter more than
+    ``capacity`` is held, so each block costs O(log n) amortised.
+    """
+
+    __slots__ = ("capacity", "held", "tick")
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = max(1, capacity)
+        self.held: dict[str, dict[int, int]] = {}
+        self.tick = 0
+
+    def match(self, label: str, chain: Sequence[int]) -> int:
+        """How many leading blocks of ``chain`` ``label`` holds."""
+        held = self.held.get(label)
+        if not held or not chain:
+            return 0
+        if chain[-1] in held:
+            return len(chain)
+        low, high = 0, len(chain) - 1  # chain[:low] held; chain[high] not
+        while low < high:
+            middle = (low + high + 1) // 2
+            if chain[middle - 1] in held:
+                low = middle
+            else:
+                high = middle - 1
+        return low
+
+    def record(self, label: str, chain: Sequence[int]) -> None:
+        """``chain`` was sent to ``label``: its blocks are the freshest, its first most."""
+        held = self.held.get(label)
+        if held is None:
+            held = self.held[label] = {}
+        self.tick += 1
+        base = self.tick << 20
+        held.update(zip(chain, range(base, base - len(chain), -1), strict=True))
+        if len(held) > self.capacity + (self.capacity >> 2):
+            kept = sorted(held.items(), key=itemgetter(1))[-self.capacity:]
+            self.held[label] = dict(kept)
+
+    def forget(self, label: str) -> None:
+        self.held.pop(label, None)
+
+    def labels(self) -> list[str]:
+        return list(self.held)
+
+
+class Choice(NamedTuple):
+    label: str
+    matched: int  # blocks of the prompt the chosen endpoint holds
+    home: bool    # False: load sent it away from home
+
+
+def rendezvous(labels: Sequence[str], salts: Mapping[str, int], first: int) -> str:
+    """The label winning ``first`` (a block hash): highest mixed score."""
+    return max(labels, key=lambda label: mix64(salts[label] ^ first))
+
+
+def choose(labels: Sequence[str], salts: Mapping[str, int], index: PrefixIndex,
+           chain: Sequence[int], tokens: int, block_tokens: int,
+           work: Mapping[str, float], slack: float, allowance: float,
+           first: int, legs: Mapping[str, int] | None = None) -> Choice:
+    """The endpoint for a prompt (see the module's docstring); ``labels`` not empty."""
+    matches = {label: index.match(label, chain) for label in labels}
+    longest = max(matches.values())
+    if longest:
+        held = [label for label in labels if matches[label] == longest]
+        # Ties by rendezvous too, not by load: replicas then agree on which copy
+        # of a spilled prefix to follow, and the other copy ages out.
+        home = held[0] if len(held) == 1 else rendezvous(held, salts, first)
+    else:
+        home = rendezvous(labels, salts, first)
+
+    total = {label: work.get(label, 0.0) + max(1, tokens - matches[label] * block_tokens)
+             for label in labels}
+    # Legs in flight are bounded too, as in bounded-load hashing: a hot prefix
+    # whose hits cost little would otherwise pile every request on one engine.
+    if legs:
+        cap = LEG_ROOM * (sum(legs.values()) + 1) / len(labels) + 1
+        fitting = [label for label in labels if legs.get(label, 0) + 1 <= cap]
+    else:
+        fitting = list(labels)
+    least = min(fitting, key=lambda label: (total[label], label != home))
+    if least == home or (home in fitting
+                         and total[home] <= (1.0 + slack) * total[least] + allowance):
+        return Choice(home, matches[home], True)
+    return Choice(least, matches[least], False)
+
+
+__all__ = ["Choice", "PrefixIndex", "choose", "label_salt", "mix64", "rendezvous"]

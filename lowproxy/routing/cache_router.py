@@ -1,0 +1,175 @@
+"""Cache-aware routing's running state: the indexes, the queued work, decode-first.
+
+One CacheRouter per proxy (per worker) owns what cache_aware.py's pure choice
+reads: a PrefixIndex of what was sent to each prefill and one of what each
+decode served, the uncached tokens queued on each prefill (added at the
+choice, released when the prefill leg ends) and the engines' own reports
+(engine_load.py). Settings: PD_PROXY_PREFIX_BLOCK_BYTES,
+PD_PROXY_PREFIX_CACHE_TOKENS, PD_PROXY_AFFINITY_SLACK,
+PD_PROXY_CACHE_ALLOWANCE_TOKENS, PD_PROXY_DECODE_FIRST_TOKENS and
+PD_PROXY_DECODE_ALLOWANCE.
+
+Decode-first (llm-d's prefix-based decider): a conversation's next turn goes
+to the decode that served the earlier one (its prefix cache holds them) while
+that decode has at most PD_PROXY_DECODE_ALLOWANCE requests more than the least
+loaded one; when what it does not hold is under PD_PROXY_DECODE_FIRST_TOKENS,
+the planner skips the prefill leg (reason ``decode-cached``) and that decode
+computes the rest itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+from ..upstream.endpoint import Endpoint
+from .blocks import TOKEN_BYTES, PromptBlocks, prompt_blocks
+from .cache_aware import PrefixIndex, choose, label_salt
+from .engine_load import EngineLoads
+
+KV_FULL = 0.98  # a decode whose KV cache is this full takes no preferred turn
+MEAN_COST_START = 512.0  # tokens per prefill leg before any was seen
+
+
+class CacheRouter:
+    def __init__(self, config: Any, engine: EngineLoads | None = None) -> None:
+        self.block_bytes = config.prefix_block_bytes
+        self.block_tokens = max(1, self.block_bytes // TOKEN_BYTES)
+        capacity = max(1, config.prefix_cache_tokens // self.block_tokens)
+        self.prefills = PrefixIndex(capacity)
+        self.decodes = PrefixIndex(capacity)
+        self.slack = config.affinity_slack
+        self.allowance = float(config.cache_allowance_tokens)
+        self.decode_first_tokens = config.decode_first_tokens
+        self.decode_allowance = config.decode_allowance
+        self.engine = engine
+        self.queued: dict[Endpoint, float] = {}  # uncached tokens chosen, leg not ended
+        self.legs: dict[str, int] = {}  # prefill legs chosen, not ended, by label
+        self.mean_cost = MEAN_COST_START  # of a prefill leg, to weigh an engine's queue
+        self._salts: dict[str, int] = {}
+        self._known: dict[int, tuple[Sequence[Endpoint], set[str]]] = {}
+
+    def blocks(self, surface: str, body: Mapping[str, Any]) -> PromptBlocks:
+        return prompt_blocks(surface, body, self.block_bytes)
+
+    def _salt_of(self, labels: Sequence[str]) -> dict[str, int]:
+        salts = self._salts
+        for label in labels:
+            if label not in salts:
+                salts[label] = label_salt(label)
+        return salts
+
+    def prune(self, role: str, endpoints: Sequence[Endpoint]) -> None:
+        """Forget what was sent to endpoints no longer configured (removed, undiscovered)."""
+        index = self.prefills if role == "prefill" else self.decodes
+        known = self._known.get(id(index))
+        if known is not None and known[0] is endpoints:
+            return
+        labels = {endpoint.label for endpoint in endpoints}
+        for label in index.labels():
+            if label not in labels:
+                index.forget(label)
+        self._known[id(index)] = (endpoints, labels)
+        present = set().union(*(known[1] for known in self._known.values()))
+        for label in [label for label in self._salts if label not in present]:
+            del self._salts[label]  # dns+ churn must not grow this for ever
+
+    # -- prefill
+
+    def _work(self, endpoint: Endpoint) -> float:
+        own = self.queued.get(endpoint, 0.0)
+        waiting = self.engine.get(endpoint, "waiting") if self.engine is not None else None
+        if waiting is None:
+            return own
+        # The engine's queue holds every replica's requests, ours only ours.
+        return max(own, waiting * self.mean_cost)
+
+    def choose_prefill(self, usable: Sequence[Endpoint], blocks: PromptBlocks
+                       ) -> tuple[Endpoint, float, str]:
+        """(endpoint, its uncached tokens, reason: cache, cold or load); usable not empty."""
+        by_label = {endpoint.label: endpoint for endpoint in usable}
+        labels = list(by_label)
+        work = {label: self._work(endpoint) for label, endpoint in by_label.items()}
+        picked = choose(labels, self._salt_of(labels), self.prefills, blocks.chain,
+                        blocks.tokens, self.block_tokens, work, self.slack, self.allowance,
+                        blocks.first, self.legs)
+        endpoint = by_label[picked.label]
+        cost = float(max(1, blocks.tokens - picked.matched * self.block_tokens))
+        if blocks.chain:
+            self.prefills.record(picked.label, blocks.chain)
+        self.queued[endpoint] = self.queued.get(endpoint, 0.0) + cost
+        self.legs[picked.label] = self.legs.get(picked.label, 0) + 1
+        self.mean_cost += (cost - self.mean_cost) / 16.0
+        reason = "load" if not picked.home else "cache" if picked.matched else "cold"
+        return endpoint, cost, reason
+
+    def release_prefill(self, endpoint: Endpoint, cost: float) -> None:
+        legs = self.legs.get(endpoint.label, 0) - 1
+        if legs > 0:
+            self.legs[endpoint.label] = legs
+        else:
+            self.legs.pop(endpoint.label, None)
+        left = self.queued.get(endpoint, 0.0) - cost
+        if left > 0.5:
+            self.queued[endpoint] = left
+        else:
+            self.queued.pop(endpoint, None)
+
+    # -- decode
+
+    def _decode_load(self, endpoint: Endpoint) -> float:
+        own = float(endpoint.in_flight)
+        if self.engine is None:
+            return own
+        running = self.engine.get(endpoint, "running")
+        waiting = self.engine.get(endpoint, "waiting")
+        if running is None and waiting is None:
+            return own
+        return max(own, (running or 0.0) + (waiting or 0.0))
+
+    def choose_decode(self, usable: Sequence[Endpoint], blocks: PromptBlocks
+                      ) -> tuple[Endpoint | None, int | None]:
+        """(the decode holding the longest part of the prompt, the tokens it lacks),
+        when its load allows; (None, None): the usual least-loaded pick."""
+        if len(usable) < 2:
+            return (usable[0], self._lacks(usable[0], blocks)) if usable else (None, None)
+        loads = {endpoint: self._decode_load(endpoint) for endpoint in usable}
+        least = min(loads.values())
+        if not blocks.chain:
+            return self._least_reported(usable, loads, least), None
+        best, longest = None, 0
+        for endpoint in usable:
+            matched = self.decodes.match(endpoint.label, blocks.chain)
+            if matched > longest or (matched == longest and best is not None
+                                     and matched and loads[endpoint] < loads[best]):
+                best, longest = endpoint, matched
+        usage = self.engine.get(best, "kv_usage") \
+            if self.engine is not None and best is not None else None
+        if best is None or loads[best] > least + self.decode_allowance \
+                or (usage is not None and usage >= KV_FULL):
+            return self._least_reported(usable, loads, least), None
+        return best, max(0, blocks.tokens - longest * self.block_tokens)
+
+    def _least_reported(self, usable: Sequence[Endpoint], loads: Mapping[Endpoint, float],
+                        least: float) -> Endpoint | None:
+        """With engines reporting unequal loads, the least loaded; else None (the
+        usual pick: fewest requests in flight, ties in turn)."""
+        if all(endpoint.in_flight == loads[endpoint] for endpoint in usable):
+            return None  # nothing beyond lowproxy's own counts
+        return next(endpoint for endpoint in usable if loads[endpoint] == least)
+
+    def _lacks(self, endpoint: Endpoint, blocks: PromptBlocks) -> int | None:
+        if not blocks.chain:
+            return None
+        matched = self.decodes.match(endpoint.label, blocks.chain)
+        return max(0, blocks.tokens - matched * self.block_tokens) if matched else None
+
+    def decode_cached(self, lacks: int | None) -> bool:
+        """Whether decode may compute the rest itself (the planner adds: not SGLang)."""
+        return lacks is not None and lacks < self.decode_first_tokens
+
+    def served_decode(self, endpoint: Endpoint, blocks: PromptBlocks) -> None:
+        if blocks.chain:
+            self.decodes.record(endpoint.label, blocks.chain)
+
+
+__all__ = ["CacheRouter"]

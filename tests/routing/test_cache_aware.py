@@ -1,0 +1,94 @@
+"""The pure parts of cache-aware routing: block chains, the index, rendezvous, the
+engines' load reports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from lowproxy.routing.blocks import chain_of, prompt_blocks
+from lowproxy.routing.cache_aware import PrefixIndex, choose, label_salt, rendezvous
+from lowproxy.routing.engine_load import parse_orca, parse_prometheus
+
+
+def chat(*texts: str) -> dict:
+    return {"messages": [{"role": "user", "content": text} for text in texts]}
+
+
+def test_a_next_turn_extends_the_chain_of_the_one_before():
+    first = prompt_blocks("chat", chat("a" * 1000), 256)
+    second = prompt_blocks("chat", chat("a" * 1000, "b" * 600), 256)
+    assert len(first.chain) == 3 and second.chain[:3] == first.chain
+    assert first.first == second.first and first.tokens == (1000 + 7) // 4 + 1
+    assert prompt_blocks("embeddings", {}, 256).chain == []
+    assert chain_of(b"ab" * 256, 256)[0] != chain_of(b"ab" * 256, 256)[1]  # depth counts
+    ids = prompt_blocks("completions", {"prompt": list(range(200))}, 256)
+    assert len(ids.chain) == 3  # 4 bytes per id
+
+
+def test_cold_placement_inputs_are_the_same_in_every_process():
+    body = chat("y" * 300, "z")
+    code = ("from lowproxy.routing.blocks import prompt_blocks; "
+            "from lowproxy.routing.cache_aware import "
+            f"label_salt; print(prompt_blocks('chat', {body!r}, 256).first, "
+            "label_salt('http://a:1'))")
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    assert other == f"{prompt_blocks('chat', body, 256).first} {label_salt('http://a:1')}"
+
+
+def test_the_index_holds_prefixes_and_ages_tails_out_first():
+    index = PrefixIndex(capacity=6)
+    old = chain_of(b"o" * 1024, 256)  # 4 blocks
+    index.record("p", old)
+    assert index.match("p", old) == 4 and index.match("q", old) == 0
+    new = chain_of(b"n" * 1024, 256)
+    index.record("p", new)  # 8 blocks for 6 (+1) places: old's last two go
+    assert index.match("p", new) == 4 and index.match("p", old) == 2
+    longer = chain_of(b"n" * 1024 + b"m" * 512, 256)
+    assert index.match("p", longer) == 4  # a longer prompt matches what is held
+
+
+def test_rendezvous_moves_only_the_leaving_labels_prefixes():
+    labels = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
+    salts = {label: label_salt(label) for label in labels}
+    before = {first: rendezvous(labels, salts, first) for first in range(500)}
+    assert len(set(before.values())) == 4
+    after = {first: rendezvous(labels[1:], salts, first) for first in range(500)}
+    assert all(after[f] == home for f, home in before.items() if home != labels[0])
+
+
+def test_home_keeps_a_hit_until_its_queue_is_out_of_bounds():
+    index = PrefixIndex(100)
+    chain = chain_of(b"s" * 2048, 256)
+    index.record("a", chain)
+    salts = {"a": 1, "b": 2}
+
+    def pick(work: dict) -> tuple:
+        picked = choose(["a", "b"], salts, index, chain, 600, 64, work, 0.25, 1000, 0)
+        return picked.label, picked.home
+
+    assert pick({}) == ("a", True)
+    assert pick({"a": 1500.0}) == ("a", True)  # within the allowance
+    assert pick({"a": 6000.0}) == ("b", False)  # the queue outweighs the hit
+
+
+def test_orca_reports_text_json_and_garbage():
+    text = b"TEXT named_metrics.kv_cache_usage_perc=0.4, named_metrics.num_requests_waiting=3"
+    assert parse_orca(text) == {"kv_usage": 0.4, "waiting": 3.0}
+    assert parse_orca(b'JSON {"named_metrics": {"num_requests_waiting": 2}}') == {"waiting": 2}
+    assert parse_orca(b"TEXT named_metrics.num_requests_waiting=nan, x") == {}
+    assert parse_orca(b"JSON {not json") == {} and parse_orca(b"PROTO abc") == {}
+
+
+def test_prometheus_of_vllm_and_sglang():
+    vllm = ('# TYPE vllm:num_requests_waiting gauge\n'
+            'vllm:num_requests_waiting{engine="0"} 2.0\n'
+            'vllm:num_requests_waiting{engine="1"} 3.0\n'
+            'vllm:num_requests_running{engine="0"} 7\n'
+            'vllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+            'vllm:kv_cache_usage_perc{engine="1"} 0.75\n')
+    assert parse_prometheus(vllm) == {"waiting": 5.0, "running": 7.0, "kv_usage": 0.75}
+    sglang = 'sglang:num_queue_reqs{tp_rank="0"} 4\nsglang:token_usage{tp_rank="0"} 0.2\n'
+    assert parse_prometheus(sglang) == {"waiting": 4.0, "kv_usage": 0.2}
+    assert parse_prometheus("nothing here\n") == {}
