@@ -23,6 +23,7 @@ from .._types import Headers
 from ..answers import REASONS, bad_gateway, canned_response, error_body, internal_error
 from ..routes import speaks_anthropic
 from ..timeouts import deadline
+from .hangup import HangUpHook
 from .limits import Limits, origin_target, oversized_head_status, refusal
 from .messages import AbortResponse, ClientGone, ClientRequest, ResponseWriter
 from .responder import Responder
@@ -57,43 +58,6 @@ _FINAL = (Phase.REFUSED, Phase.CLOSED, Phase.GONE)
 _DUE_408 = (Phase.HEAD, Phase.BODY)
 
 
-class _HangUpHook(asyncio.Protocol):
-    """asyncio's StreamReaderProtocol for one client, with a call on its hang-up.
-
-    Put in front of the transport's protocol (BaseTransport.set_protocol), it
-    forwards every callback and tells the connection when the client sent EOF
-    or the connection was lost: a handler waiting on a backend learns of a
-    hang-up with no task reading the socket for it.
-    """
-
-    __slots__ = ("inner", "on_hang_up")
-
-    def __init__(self, inner: Any, on_hang_up: Callable[[], None]) -> None:
-        self.inner = inner
-        self.on_hang_up = on_hang_up
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.inner.connection_made(transport)
-
-    def data_received(self, data: bytes) -> None:
-        self.inner.data_received(data)
-
-    def eof_received(self) -> bool | None:
-        keep_open = self.inner.eof_received()
-        self.on_hang_up()
-        return keep_open
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.inner.connection_lost(exc)
-        self.on_hang_up()
-
-    def pause_writing(self) -> None:
-        self.inner.pause_writing()
-
-    def resume_writing(self) -> None:
-        self.inner.resume_writing()
-
-
 class ClientConnection:
     """One client socket: the h11 state, its phase and timer, and its request cycles."""
 
@@ -120,7 +84,7 @@ class ClientConnection:
         # (watch_client).
         self._watching = False
         self._watch_since = 0.0
-        self.transport.set_protocol(_HangUpHook(self.transport.get_protocol(), self._hung_up))
+        self.transport.set_protocol(HangUpHook(self.transport.get_protocol(), self._hung_up))
         self._head_bytes = 0
         self._head_reads: list[bytes] | None = None  # this cycle's reads until its head
         self._task: asyncio.Task[Any] | None = None
@@ -244,7 +208,7 @@ class ClientConnection:
             self._watch_since = self._loop.time()
 
     def _hung_up(self) -> None:
-        """The client sent EOF or the connection was lost (_HangUpHook)."""
+        """The client sent EOF or the connection was lost (HangUpHook)."""
         if self._watching and self.phase is Phase.HANDLING and self._task is not None:
             # Mid-request: the client left. Between requests, an EOF only means
             # no more requests, which the next read finds.
