@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import re
 
 log = logging.getLogger("lowproxy.keys")
 
@@ -35,7 +36,19 @@ def read_keys(path: str, many: bool, allow_empty: bool = False) -> tuple[bytes, 
         raise ValueError(f"{path} holds no key")
     if not many and len(keys) > 1:
         raise ValueError(f"{path} holds more than one line; one key expected")
+    if not many and keys and not header_safe(b"Bearer " + keys[0]):
+        raise ValueError(f"{path}: the key holds a character a header value cannot carry")
     return keys
+
+
+# A header field value (RFC 9110 section 5.5), as h11's parser accepts one: the
+# backend key is sent in heads built without h11's own check (h11_internals.py).
+_FIELD_VALUE = re.compile(rb"[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?")
+
+
+def header_safe(value: bytes) -> bool:
+    """Whether ``value`` can be sent as a header value as it is."""
+    return _FIELD_VALUE.fullmatch(value) is not None
 
 
 class KeySource:

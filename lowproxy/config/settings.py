@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
-from ..keys import read_keys
+from ..keys import header_safe, read_keys
 from .flags import Setting, UsageError, flag_text
 from .flags import build_parser as _build_parser
 from .values import (
@@ -75,6 +75,14 @@ def _positive_seconds(text: str) -> float:
     return value
 
 
+def _backend_key(text: str) -> str:
+    """The backend key, sent in a header value: never echoed in an error."""
+    key = text.strip()
+    if key and not header_safe(b"Bearer " + key.encode()):
+        raise ValueError("the key holds a character a header value cannot carry")
+    return key
+
+
 _ratio.metavar = "RATIO"  # type: ignore[attr-defined]
 
 
@@ -121,7 +129,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     # -- keys (lowproxy/keys.py): sent to backends, required of clients
     Setting(
-        "backend_api_key", "PD_PROXY_BACKEND_API_KEY", "--backend-api-key", stripped, "",
+        "backend_api_key", "PD_PROXY_BACKEND_API_KEY", "--backend-api-key", _backend_key, "",
         "sent as authorization: Bearer <key> on every leg to prefill and decode and on "
         "lowproxy's own requests to them (vLLM --api-key); never to a bootstrap server",
     ),

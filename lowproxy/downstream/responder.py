@@ -13,6 +13,7 @@ import h11
 
 from .._types import Headers
 from ..answers import REASONS, json_body
+from ..h11_internals import informational, response
 
 # Past this much unsent to a client, stop relaying until it catches up.
 WRITE_HIGH_WATER = 64 * 1024
@@ -83,8 +84,9 @@ class Responder:
             headers.append((b"connection", b"close"))
         self.started = True
         self.status = status
-        event = h11.Response(status_code=status, headers=headers,
-                             reason=REASONS.get(status, b""))
+        # No per-header checks (h11_internals.py): decode's headers were
+        # checked by h11's parser, the rest are the proxy's own.
+        event = response(status, headers, REASONS.get(status, b""))
         self._out.append(wire.h11.send(event))
         # h11 chunks a 1.1 response that has no length (RFC 9112 6.1); we then
         # frame chunks ourselves, which is all h11's chunked writer does, at a
@@ -98,8 +100,7 @@ class Responder:
         wire = self._wire
         if self.started or wire.h11.their_http_version != b"1.1":
             return
-        event = h11.InformationalResponse(status_code=status, headers=headers,
-                                          reason=REASONS.get(status, b""))
+        event = informational(status, headers, REASONS.get(status, b""))
         wire.write(wire.h11.send(event))
 
     def buffer(self, data: bytes) -> None:
@@ -174,8 +175,7 @@ class Responder:
             body = b""
         self.bytes_out += len(body)
         conn = wire.h11
-        out = conn.send(h11.Response(status_code=status, headers=headers,
-                                     reason=REASONS.get(status, b"")))
+        out = conn.send(response(status, headers, REASONS.get(status, b"")))
         if body:
             out += conn.send(h11.Data(data=body))
         out += conn.send(h11.EndOfMessage())

@@ -28,6 +28,7 @@ from typing import Any
 
 import h11
 
+from ..h11_internals import request as trusted_request
 from .chunked import Deliver
 from .httpcore_internals import MAX_HEAD_BYTES
 from .stream import READ_HIGH_WATER, AsyncioStream
@@ -54,8 +55,11 @@ class BodyError(Exception):
 
 def request_bytes(state: h11.Connection, method: bytes, target: bytes, headers: Headers,
                   body: bytes | None) -> bytes:
-    """The request as h11 serialises it: head, body and end, for one write."""
-    wire = state.send(h11.Request(method=method, target=target, headers=headers))
+    """The request as h11 serialises it: head, body and end, for one write.
+
+    The head is built without h11's per-header checks (h11_internals.py):
+    every name and value comes from h11's parser or from the proxy itself."""
+    wire = state.send(trusted_request(method, target, headers))
     if body:
         wire += state.send(h11.Data(data=body))
     return wire + state.send(_EndOfMessage())

@@ -1,0 +1,88 @@
+"""A fence around the h11 internal lowproxy's hot path relies on (lowproxy/h11_internals.py).
+
+Heads the proxy builds go to h11 with ``_parsed=True``, the flag h11's parser
+passes for heads it read: the per-header regexes and ``bytesify`` are skipped,
+everything else stays. Each test names what it pins; when an h11 release
+changes one, the failure says which, and the upper bound on h11 in
+pyproject.toml must stay below that release until h11_internals.py is adapted.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import h11
+import pytest
+
+from lowproxy import h11_internals
+from lowproxy.keys import header_safe
+
+HEADERS = [(b"Host", b"127.0.0.1:8100"), (b"content-type", b"application/json"),
+           (b"Content-Length", b"2"), (b"x-request-id", b"abc")]
+
+
+def fence(condition: object, internal: str, what: str) -> None:
+    assert condition, (f"h11 {h11.__version__} changed {internal}: {what}. lowproxy's hot path "
+                       "relies on it; keep the upper bound below this release until "
+                       "lowproxy/h11_internals.py is adapted.")
+
+
+def wire(role: type[h11.CLIENT] | type[h11.SERVER], *events: h11._events.Event) -> bytes:
+    conn = h11.Connection(role)
+    if role is h11.SERVER:
+        conn.receive_data(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        conn.next_event()
+        conn.next_event()
+    return b"".join(conn.send(event) or b"" for event in events)
+
+
+@pytest.mark.parametrize("cls", [h11.Request, h11.Response, h11.InformationalResponse])
+def test_the_events_still_take_parsed(cls):
+    fence("_parsed" in inspect.signature(cls.__init__).parameters, f"{cls.__name__}.__init__",
+          "the _parsed keyword is gone")
+
+
+def test_a_request_built_parsed_writes_what_a_validated_one_writes():
+    fast = h11_internals.request(b"POST", b"/v1/chat/completions", list(HEADERS))
+    slow = h11.Request(method=b"POST", target=b"/v1/chat/completions", headers=list(HEADERS))
+    fence(fast == slow and fast.headers.raw_items() == slow.headers.raw_items(),
+          "Request(_parsed=True)", "the event differs from the validated one")
+    fence(wire(h11.CLIENT, fast, h11.Data(data=b"{}"), h11.EndOfMessage())
+          == wire(h11.CLIENT, slow, h11.Data(data=b"{}"), h11.EndOfMessage()),
+          "Connection.send", "a parsed request writes other bytes")
+
+
+def test_responses_built_parsed_write_what_validated_ones_write():
+    headers = [(b"content-type", b"text/event-stream"), (b"X-Request-Id", b"abc")]
+    fast = wire(h11.SERVER, h11_internals.informational(103, [(b"link", b"</a>")], b"Early"),
+                h11_internals.response(200, list(headers), b"OK"), h11.Data(data=b"hi"),
+                h11.EndOfMessage())
+    slow = wire(h11.SERVER, h11.InformationalResponse(status_code=103, reason=b"Early",
+                                                      headers=[(b"link", b"</a>")]),
+                h11.Response(status_code=200, headers=list(headers), reason=b"OK"),
+                h11.Data(data=b"hi"), h11.EndOfMessage())
+    fence(fast == slow and b"transfer-encoding: chunked" in fast.lower(), "Response(_parsed=True)",
+          "a parsed response writes other bytes or other framing")
+
+
+def test_framing_is_still_checked_when_parsed():
+    with pytest.raises(h11.LocalProtocolError):
+        h11_internals.response(200, [(b"content-length", b"1"), (b"content-length", b"2")],
+                               b"OK")
+    with pytest.raises(h11.LocalProtocolError):
+        h11_internals.request(b"GET", b"/", [(b"transfer-encoding", b"gzip"), (b"host", b"x")])
+    with pytest.raises(h11.LocalProtocolError):  # the Host rule and the target grammar stay
+        h11_internals.request(b"GET", b"/", [])
+    with pytest.raises(h11.LocalProtocolError):
+        h11_internals.request(b"GET", b"/a b", [(b"host", b"x")])
+    fence(True, "normalize_and_validate(_parsed=True)", "framing checks skipped")
+
+
+def test_the_backend_key_check_refuses_what_h11_would():
+    for value in (b"Bearer k\r\nx: y", b"Bearer k\x00", b"Bearer k ", b"Bearer k\tl\n"):
+        assert not header_safe(value)
+        with pytest.raises(h11.LocalProtocolError):
+            h11.Request(method=b"GET", target=b"/", headers=[(b"host", b"x"),
+                                                             (b"authorization", value)])
+    assert not header_safe(b"Bearer k\x7f")  # stricter than h11: no control byte at all
+    assert header_safe(b"Bearer sk-abc.DEF_123/+=") and header_safe("Bearer clé".encode())
