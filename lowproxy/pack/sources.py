@@ -23,7 +23,7 @@ from .markers import PackError, marker_applies, normalize, parse_requirement, ta
 
 # The roots of what the archive bundles: [project] dependencies in pyproject.toml
 # (tests/pack/test_pack.py checks they are declared there).
-ROOT_REQUIREMENTS = ("h11>=0.14,<1", "httpcore[asyncio]>=1.0.5,<1.1")
+ROOT_REQUIREMENTS = ("h11>=0.14,<0.17", "httpcore[asyncio]>=1.0.5,<1.1")
 
 # The Python versions the archive must run on; markers are evaluated for each.
 SUPPORTED = tuple((3, minor) for minor in range(10, 14))
