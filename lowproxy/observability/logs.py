@@ -219,6 +219,11 @@ def warn(logger: logging.Logger, message: str, request_id: str | None = None,
     logger.warning("%s", message, extra={"fields": fields})
 
 
+def access_enabled() -> bool:
+    """Whether an access line would be written: callers build its fields only then."""
+    return access_log.isEnabledFor(logging.INFO)
+
+
 def access(fields: dict[str, Any]) -> None:
     if not access_log.isEnabledFor(logging.INFO):
         return

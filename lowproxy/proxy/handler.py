@@ -236,6 +236,8 @@ class Proxy:
         if exchange.span is not None and self.tracing is not None:
             self.tracing.end_request(exchange, status,
                                      concurrent=exchange.handshake in ("mooncake", "sglang"))
+        if not logs.access_enabled():  # below info: no line, so no fields either
+            return
         logs.access({
             "request_id": exchange.request_id,
             "method": exchange.request.method.decode("latin-1"),
