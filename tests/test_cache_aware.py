@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 from lowproxy.routing.blocks import chain_of, prompt_blocks
-from lowproxy.routing.cache_aware import PrefixIndex, choose, label_salt, rendezvous
+from lowproxy.routing.cache_aware import PrefixIndex, choose, label_salt, ranked, rendezvous
 from lowproxy.routing.engine_load import parse_orca, parse_prometheus
 
 
@@ -65,7 +65,7 @@ def test_home_keeps_a_hit_until_its_queue_is_out_of_bounds():
     salts = {"a": 1, "b": 2}
 
     def pick(work: dict) -> tuple:
-        picked = choose(["a", "b"], salts, index, chain, 600, 64, work, 0.25, 1000, 0)
+        picked = choose(ranked(["a", "b"], salts, 0), index, chain, 600, 64, work, 0.25, 1000)
         return picked.label, picked.home
 
     assert pick({}) == ("a", True)

@@ -13,6 +13,8 @@ from lowproxy.config import Config
 from lowproxy.demo import DemoBackend, KvRegistry
 from lowproxy.handshakes.planner import plan_generation
 from lowproxy.ids import Ids
+from lowproxy.routing.blocks import prompt_blocks
+from lowproxy.routing.cache_aware import label_salt, ranked
 
 CHAT = "/v1/chat/completions"
 ANSWER = "tok0 tok1 tok2 tok3 "  # the demo's answer to max_tokens 4
@@ -223,3 +225,36 @@ async def test_engine_metrics_are_read_used_and_a_silent_backend_tolerated():
             metrics = (await request(running.port, "GET", "/metrics")).body.decode()
             assert (f'lowproxy_endpoint_engine_load{{role="decode",endpoint="{dec[0].url}",'
                     f'metric="running"}} 40') in metrics
+
+
+async def test_two_proxies_spill_alike_along_the_rendezvous_order():
+    async with backends(prefills=4) as (pre, dec):
+        urls = [backend.url for backend in pre]
+        salts = {url: label_salt(url) for url in urls}
+        busy = 0
+        # Prefixes whose home is the busy prefill, and where each goes next.
+        prompts = [system(n) for n in range(200)]
+        firsts = {prompt: prompt_blocks("chat", turns(prompt, "q"), 512).first
+                  for prompt in prompts}
+        mine = [p for p in prompts if ranked(urls, salts, firsts[p])[0] == urls[busy]][:8]
+        after = {p: urls.index(ranked(urls, salts, firsts[p])[1]) for p in mine}
+        assert len(set(after.values())) > 1  # a least-loaded spill would pick one
+        # The busy engine reports a long queue (another replica's requests, say):
+        # both proxies read it (/metrics, ORCA), neither of them sent it anything.
+        pre[busy].load.waiting = 60
+        async with proxy_for(pre, dec, health_interval=0.1) as one, \
+                proxy_for(pre, dec, health_interval=0.1) as two:
+            for running in (one, two):
+                await wait_until(lambda r=running: engine_load(r, "prefill", urls[busy],
+                                                               "waiting") == 60,
+                                 10, "the busy engine's queue read")
+            for prompt in mine:
+                for running in (one, two):
+                    reply = await running.request("POST", CHAT, turns(prompt, "q"))
+                    assert reply.status == 200
+            placed = homes(pre)
+            assert not posts(pre[busy])
+            for prompt in mine:
+                assert placed[prompt] == {after[prompt]}, prompt[:8]  # both proxies alike
+            for running in (one, two):
+                assert running.proxy.metrics.prefill_choice.get("load") == len(mine)

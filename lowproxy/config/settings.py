@@ -238,7 +238,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "prefix_block_bytes", "PD_PROXY_PREFIX_BLOCK_BYTES", "--prefix-block-bytes",
-        int_in(16, 1 << 20), "256",
+        int_in(16, 1 << 20), "512",
         "cache-aware: bytes of rendered prompt per remembered block (4 bytes a token)",
     ),
     Setting(
@@ -389,7 +389,7 @@ class Config:
     health_failures: int = 2
     prefill_policy: str = "cache-aware"
     affinity_slack: float = 0.25
-    prefix_block_bytes: int = 256
+    prefix_block_bytes: int = 512
     prefix_cache_tokens: int = 262144
     cache_allowance_tokens: int = 4096
     decode_first_tokens: int = 0

@@ -17,8 +17,11 @@ always a prefix of it (the longest match is found by bisection).
    more) plus this request's uncached tokens there; home keeps the request
    while its work stays within (1 + slack) x the least work plus an absolute
    allowance (a handful of requests is no imbalance), and while its prefill
-   legs in flight stay under LEG_ROOM x the mean plus one; otherwise the
-   least worked endpoint takes it (and from then on holds that prefix too).
+   legs in flight stay under LEG_ROOM x the mean plus one; otherwise the next
+   endpoint in the prefix's rendezvous order that is within those bounds takes
+   it (and from then on holds that prefix too). Spilling along the rendezvous
+   order rather than to the least worked endpoint makes replicas whose load
+   counts differ a little spill a prefix to the same place.
 """
 
 from __future__ import annotations
@@ -87,7 +90,8 @@ class PrefixIndex:
             held = self.held[label] = {}
         self.tick += 1
         base = self.tick << 20
-        held.update(zip(chain, range(base, base - len(chain), -1), strict=True))
+        # strict=False: the lengths are equal, and checking them costs per block.
+        held.update(zip(chain, range(base, base - len(chain), -1), strict=False))
         if len(held) > self.capacity + (self.capacity >> 2):
             kept = sorted(held.items(), key=itemgetter(1))[-self.capacity:]
             self.held[label] = dict(kept)
@@ -105,40 +109,68 @@ class Choice(NamedTuple):
     home: bool    # False: load sent it away from home
 
 
+def ranked(labels: Sequence[str], salts: Mapping[str, int], first: int) -> list[str]:
+    """``labels`` by rendezvous score for ``first`` (a block hash), best first: the
+    same order in every replica, so that replicas spill to the same place."""
+    return sorted(labels, key=lambda label: mix64(salts[label] ^ first), reverse=True)
+
+
 def rendezvous(labels: Sequence[str], salts: Mapping[str, int], first: int) -> str:
     """The label winning ``first`` (a block hash): highest mixed score."""
     return max(labels, key=lambda label: mix64(salts[label] ^ first))
 
 
-def choose(labels: Sequence[str], salts: Mapping[str, int], index: PrefixIndex,
-           chain: Sequence[int], tokens: int, block_tokens: int,
-           work: Mapping[str, float], slack: float, allowance: float,
-           first: int, legs: Mapping[str, int] | None = None) -> Choice:
-    """The endpoint for a prompt (see the module's docstring); ``labels`` not empty."""
-    matches = {label: index.match(label, chain) for label in labels}
-    longest = max(matches.values())
-    if longest:
-        held = [label for label in labels if matches[label] == longest]
-        # Ties by rendezvous too, not by load: replicas then agree on which copy
-        # of a spilled prefix to follow, and the other copy ages out.
-        home = held[0] if len(held) == 1 else rendezvous(held, salts, first)
-    else:
-        home = rendezvous(labels, salts, first)
+def choose(order: Sequence[str], index: PrefixIndex, chain: Sequence[int], tokens: int,
+           block_tokens: int, work: Mapping[str, float], slack: float, allowance: float,
+           legs: Mapping[str, int] | None = None) -> Choice:
+    """The endpoint for a prompt (see the module's docstring); ``order``: the usable
+    labels in the rendezvous order of the prompt's first block (``ranked``), not empty.
 
-    total = {label: work.get(label, 0.0) + max(1, tokens - matches[label] * block_tokens)
-             for label in labels}
-    # Legs in flight are bounded too, as in bounded-load hashing: a hot prefix
-    # whose hits cost little would otherwise pile every request on one engine.
-    if legs:
-        cap = LEG_ROOM * (sum(legs.values()) + 1) / len(labels) + 1
-        fitting = [label for label in labels if legs.get(label, 0) + 1 <= cap]
-    else:
-        fitting = list(labels)
-    least = min(fitting, key=lambda label: (total[label], label != home))
-    if least == home or (home in fitting
-                         and total[home] <= (1.0 + slack) * total[least] + allowance):
-        return Choice(home, matches[home], True)
-    return Choice(least, matches[least], False)
+    One plain loop (issue 22 budgets 15 µs for the whole routing of a request),
+    cut short when an endpoint holds the whole prompt: none after it can hold
+    more, and if it is within the bound even were every other endpoint's match
+    whole too, it is within the true bound.
+    """
+    match, get = index.match, work.get
+    cap = LEG_ROOM * (sum(legs.values()) + 1) / len(order) + 1 if legs else 0.0
+    whole = len(chain)
+    if whole:
+        for label in order:
+            matched = match(label, chain)
+            if matched == whole:
+                if legs and legs.get(label, 0) + 1 > cap:
+                    break
+                floor = max(1, tokens - whole * block_tokens)
+                least = min(get(other, 0.0) for other in order) + floor
+                if get(label, 0.0) + floor <= (1.0 + slack) * least + allowance:
+                    return Choice(label, whole, True)
+                break
+    home, longest, least = order[0], -1, float("inf")
+    rows = []
+    for label in order:
+        matched = match(label, chain)
+        total = get(label, 0.0) + max(1, tokens - matched * block_tokens)
+        # Legs in flight are bounded too, as in bounded-load hashing: a hot prefix
+        # whose hits cost little would otherwise pile every request on one engine.
+        fits = not legs or legs.get(label, 0) + 1 <= cap
+        rows.append((label, matched, total, fits))
+        # Ties by rendezvous order too, not by load: replicas then agree on which
+        # copy of a spilled prefix to follow, and the other copy ages out.
+        if matched > longest:
+            home, longest, home_row = label, matched, rows[-1]
+        if fits and total < least:
+            least = total
+    if least == float("inf"):  # none fits the legs bound: by work alone
+        rows = [(label, matched, total, True) for label, matched, total, _ in rows]
+        least = min(row[2] for row in rows)
+        home_row = next(row for row in rows if row[0] == home)
+    bound = (1.0 + slack) * least + allowance
+    if home_row[3] and home_row[2] <= bound:
+        return Choice(home, longest, True)
+    # Spill along the rendezvous order, not to the least loaded: replicas whose
+    # loads differ a little still send a prefix's overflow to the same endpoint.
+    label, matched, _, _ = next(row for row in rows if row[3] and row[2] <= bound)
+    return Choice(label, matched, False)
 
 
-__all__ = ["Choice", "PrefixIndex", "choose", "label_salt", "mix64", "rendezvous"]
+__all__ = ["Choice", "PrefixIndex", "choose", "label_salt", "mix64", "ranked", "rendezvous"]

@@ -23,11 +23,12 @@ from typing import Any, Mapping, Sequence
 
 from ..upstream.pool import Endpoint
 from .blocks import TOKEN_BYTES, PromptBlocks, prompt_blocks
-from .cache_aware import PrefixIndex, choose, label_salt
+from .cache_aware import PrefixIndex, choose, label_salt, ranked
 from .engine_load import EngineLoads
 
 KV_FULL = 0.98  # a decode whose KV cache is this full takes no preferred turn
 MEAN_COST_START = 512.0  # tokens per prefill leg before any was seen
+ORDERS_KEPT = 4096  # rendezvous orders remembered, by first block (a prefix group)
 
 
 class CacheRouter:
@@ -46,6 +47,10 @@ class CacheRouter:
         self.legs: dict[str, int] = {}  # prefill legs chosen, not ended, by label
         self.mean_cost = MEAN_COST_START  # of a prefill leg, to weigh an engine's queue
         self._salts: dict[str, int] = {}
+        # The rendezvous order of every prefill label, by first block: computing
+        # it costs a few µs, and popular prefixes come back all the time.
+        self._orders: dict[int, list[str]] = {}
+        self._ordered: list[str] = []
         self._known: dict[int, tuple[Sequence[Endpoint], set[str]]] = {}
 
     def blocks(self, surface: str, body: Mapping[str, Any]) -> PromptBlocks:
@@ -65,6 +70,9 @@ class CacheRouter:
         if known is not None and known[0] is endpoints:
             return
         labels = {endpoint.label for endpoint in endpoints}
+        if role == "prefill":
+            self._ordered = [endpoint.label for endpoint in endpoints]
+            self._orders.clear()
         for label in index.labels():
             if label not in labels:
                 index.forget(label)
@@ -87,11 +95,10 @@ class CacheRouter:
                        ) -> tuple[Endpoint, float, str]:
         """(endpoint, its uncached tokens, reason: cache, cold or load); usable not empty."""
         by_label = {endpoint.label: endpoint for endpoint in usable}
-        labels = list(by_label)
         work = {label: self._work(endpoint) for label, endpoint in by_label.items()}
-        picked = choose(labels, self._salt_of(labels), self.prefills, blocks.chain,
+        picked = choose(self._order(by_label, blocks.first), self.prefills, blocks.chain,
                         blocks.tokens, self.block_tokens, work, self.slack, self.allowance,
-                        blocks.first, self.legs)
+                        self.legs)
         endpoint = by_label[picked.label]
         cost = float(max(1, blocks.tokens - picked.matched * self.block_tokens))
         if blocks.chain:
@@ -101,6 +108,21 @@ class CacheRouter:
         self.mean_cost += (cost - self.mean_cost) / 16.0
         reason = "load" if not picked.home else "cache" if picked.matched else "cold"
         return endpoint, cost, reason
+
+    def _order(self, usable: Mapping[str, Endpoint], first: int) -> list[str]:
+        """The usable labels in the rendezvous order of ``first`` over every
+        configured prefill (one leaving keeps the others' order: it moves only
+        its own prefixes)."""
+        order = self._orders.get(first)
+        if order is None or any(label not in order for label in usable):
+            labels = list(dict.fromkeys([*self._ordered, *usable]))
+            order = ranked(labels, self._salt_of(labels), first)
+            if len(self._orders) >= ORDERS_KEPT:
+                self._orders.clear()  # a new set of popular prefixes fills it again
+            self._orders[first] = order
+        if len(usable) == len(order):
+            return order
+        return [label for label in order if label in usable]
 
     def release_prefill(self, endpoint: Endpoint, cost: float) -> None:
         legs = self.legs.get(endpoint.label, 0) - 1
