@@ -33,7 +33,7 @@ from typing import Mapping, NamedTuple, Sequence
 _MASK = (1 << 64) - 1
 # No endpoint takes more than this many times the mean prefill legs in flight
 # (plus one): hits cost little, and a hot prefix would pile on one engine.
-LEG_ROOM = 2.0
+LEG_ROOM = 3.0
 
 
 def mix64(value: int) -> int:
@@ -122,22 +122,24 @@ def rendezvous(labels: Sequence[str], salts: Mapping[str, int], first: int) -> s
 
 def choose(order: Sequence[str], index: PrefixIndex, chain: Sequence[int], tokens: int,
            block_tokens: int, work: Mapping[str, float], slack: float, allowance: float,
-           legs: Mapping[str, int] | None = None) -> Choice:
-    """The endpoint for a prompt (see the module's docstring); ``order``: the usable
-    labels in the rendezvous order of the prompt's first block (``ranked``), not empty.
+           legs: Mapping[str, int] | None = None, pinned: int = 0) -> Choice:
+    """The endpoint for a prompt (see the module's docstring).
 
-    One plain loop (issue 22 budgets 15 µs for the whole routing of a request),
-    cut short when an endpoint holds the whole prompt: none after it can hold
-    more, and if it is within the bound even were every other endpoint's match
-    whole too, it is within the true bound.
+    ``order``: the usable labels, the prompt's placed homes first (placement.py),
+    then the rest in the rendezvous order of its first block (``ranked``); not
+    empty. ``pinned``: home is the longest match among the first ``pinned``
+    (the placed homes), 0: among all. One plain loop (issue 22 budgets 15 µs
+    for the whole routing of a request), cut short when a candidate holds the
+    whole prompt: none after it can hold more, and if it is within the bound
+    even were every other endpoint's match whole too, it is within the true one.
     """
     match, get = index.match, work.get
     cap = LEG_ROOM * (sum(legs.values()) + 1) / len(order) + 1 if legs else 0.0
+    candidates = pinned or len(order)
     whole = len(chain)
     if whole:
-        for label in order:
-            matched = match(label, chain)
-            if matched == whole:
+        for label in order[:candidates]:
+            if match(label, chain) == whole:
                 if legs and legs.get(label, 0) + 1 > cap:
                     break
                 floor = max(1, tokens - whole * block_tokens)
@@ -147,16 +149,16 @@ def choose(order: Sequence[str], index: PrefixIndex, chain: Sequence[int], token
                 break
     home, longest, least = order[0], -1, float("inf")
     rows = []
-    for label in order:
+    for position, label in enumerate(order):
         matched = match(label, chain)
         total = get(label, 0.0) + max(1, tokens - matched * block_tokens)
         # Legs in flight are bounded too, as in bounded-load hashing: a hot prefix
         # whose hits cost little would otherwise pile every request on one engine.
         fits = not legs or legs.get(label, 0) + 1 <= cap
         rows.append((label, matched, total, fits))
-        # Ties by rendezvous order too, not by load: replicas then agree on which
-        # copy of a spilled prefix to follow, and the other copy ages out.
-        if matched > longest:
+        # Ties by order too, not by load: replicas then agree on which copy of
+        # a spilled prefix to follow, and the other copy ages out.
+        if position < candidates and matched > longest:
             home, longest, home_row = label, matched, rows[-1]
         if fits and total < least:
             least = total
@@ -167,8 +169,8 @@ def choose(order: Sequence[str], index: PrefixIndex, chain: Sequence[int], token
     bound = (1.0 + slack) * least + allowance
     if home_row[3] and home_row[2] <= bound:
         return Choice(home, longest, True)
-    # Spill along the rendezvous order, not to the least loaded: replicas whose
-    # loads differ a little still send a prefix's overflow to the same endpoint.
+    # Spill along the order, not to the least loaded: replicas whose loads
+    # differ a little still send a prefix's overflow to the same endpoint.
     label, matched, _, _ = next(row for row in rows if row[3] and row[2] <= bound)
     return Choice(label, matched, False)
 

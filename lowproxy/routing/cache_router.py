@@ -25,6 +25,7 @@ from ..upstream.pool import Endpoint
 from .blocks import TOKEN_BYTES, PromptBlocks, prompt_blocks
 from .cache_aware import PrefixIndex, choose, label_salt, ranked
 from .engine_load import EngineLoads
+from .placement import Placement
 
 KV_FULL = 0.98  # a decode whose KV cache is this full takes no preferred turn
 MEAN_COST_START = 512.0  # tokens per prefill leg before any was seen
@@ -49,7 +50,8 @@ class CacheRouter:
         self._salts: dict[str, int] = {}
         # The rendezvous order of every prefill label, by first block: computing
         # it costs a few µs, and popular prefixes come back all the time.
-        self._orders: dict[int, list[str]] = {}
+        self._orders: dict[int, tuple[list[str], list[str]]] = {}
+        self.placement = Placement()
         self._ordered: list[str] = []
         self._known: dict[int, tuple[Sequence[Endpoint], set[str]]] = {}
 
@@ -95,10 +97,18 @@ class CacheRouter:
                        ) -> tuple[Endpoint, float, str]:
         """(endpoint, its uncached tokens, reason: cache, cold or load); usable not empty."""
         by_label = {endpoint.label: endpoint for endpoint in usable}
+        if not self._ordered:  # never pruned (bench/route_cost.py): the usable are all
+            self._ordered = list(by_label)
         work = {label: self._work(endpoint) for label, endpoint in by_label.items()}
-        picked = choose(self._order(by_label, blocks.first), self.prefills, blocks.chain,
-                        blocks.tokens, self.block_tokens, work, self.slack, self.allowance,
-                        self.legs)
+        if blocks.chain:
+            placement = self.placement
+            placement.observe(blocks.first)
+            if placement.due():
+                self._orders.clear()  # placed homes first in each order: they moved
+                placement.assign(self._ordered, self._rendezvous, self.slack)
+        order, pinned = self._order(by_label, blocks.first)
+        picked = choose(order, self.prefills, blocks.chain, blocks.tokens, self.block_tokens,
+                        work, self.slack, self.allowance, self.legs, pinned)
         endpoint = by_label[picked.label]
         cost = float(max(1, blocks.tokens - picked.matched * self.block_tokens))
         if blocks.chain:
@@ -109,20 +119,29 @@ class CacheRouter:
         reason = "load" if not picked.home else "cache" if picked.matched else "cold"
         return endpoint, cost, reason
 
-    def _order(self, usable: Mapping[str, Endpoint], first: int) -> list[str]:
-        """The usable labels in the rendezvous order of ``first`` over every
-        configured prefill (one leaving keeps the others' order: it moves only
-        its own prefixes)."""
-        order = self._orders.get(first)
-        if order is None or any(label not in order for label in usable):
-            labels = list(dict.fromkeys([*self._ordered, *usable]))
+    def _rendezvous(self, first: int) -> list[str]:
+        """The rendezvous order of every configured prefill for ``first``."""
+        return ranked(self._ordered, self._salt_of(self._ordered), first)
+
+    def _order(self, usable: Mapping[str, Endpoint], first: int) -> tuple[list[str], int]:
+        """The usable labels, the group's placed homes first, the rest in the
+        rendezvous order of ``first`` over every configured prefill (one leaving
+        keeps the others' order: it moves only its own prefixes); and how many
+        placed homes lead."""
+        known = self._orders.get(first)
+        if known is None or any(label not in known[0] for label in usable):
+            labels = list(dict.fromkeys([*self._ordered, *usable]))  # named ones too
             order = ranked(labels, self._salt_of(labels), first)
+            placed = [label for label in self.placement.homes.get(first, ()) if label in order]
+            known = ([*placed, *(label for label in order if label not in placed)], placed)
             if len(self._orders) >= ORDERS_KEPT:
                 self._orders.clear()  # a new set of popular prefixes fills it again
-            self._orders[first] = order
+            self._orders[first] = known
+        order, placed = known
         if len(usable) == len(order):
-            return order
-        return [label for label in order if label in usable]
+            return order, len(placed)
+        return [label for label in order if label in usable], \
+            sum(1 for label in placed if label in usable)
 
     def release_prefill(self, endpoint: Endpoint, cost: float) -> None:
         legs = self.legs.get(endpoint.label, 0) - 1
