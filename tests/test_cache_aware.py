@@ -9,6 +9,7 @@ import sys
 from lowproxy.routing.blocks import chain_of, prompt_blocks
 from lowproxy.routing.cache_aware import PrefixIndex, choose, label_salt, ranked, rendezvous
 from lowproxy.routing.engine_load import parse_orca, parse_prometheus
+from lowproxy.routing.placement import Placement
 
 
 def chat(*texts: str) -> dict:
@@ -92,3 +93,23 @@ def test_prometheus_of_vllm_and_sglang():
     sglang = 'sglang:num_queue_reqs{tp_rank="0"} 4\nsglang:token_usage{tp_rank="0"} 0.2\n'
     assert parse_prometheus(sglang) == {"waiting": 4.0, "kv_usage": 0.2}
     assert parse_prometheus("nothing here\n") == {}
+
+
+def test_placement_spreads_a_group_above_its_share_and_balances_the_rest():
+    labels = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
+    salts = {label: label_salt(label) for label in labels}
+    placement = Placement(every=16, decay=1.0)
+    for _ in range(8):
+        placement.observe(7)  # a hot group: half the requests
+    for group in range(100, 108):
+        placement.observe(group)
+    assert placement.due()
+    placement.assign(labels, lambda group: ranked(labels, salts, group), 0.25)
+    assert not placement.due()
+    hot = placement.homes[7]  # 8 of 16 requests, 5 per endpoint at most: two endpoints
+    assert list(hot) == ranked(labels, salts, 7)[:2]
+    load = dict.fromkeys(labels, 0.0)
+    for group, homes in placement.homes.items():
+        for label in homes:
+            load[label] += (8 if group == 7 else 1) / len(homes)
+    assert max(load.values()) <= 1.25 * 16 / 4

@@ -258,3 +258,34 @@ async def test_two_proxies_spill_alike_along_the_rendezvous_order():
                 assert placed[prompt] == {after[prompt]}, prompt[:8]  # both proxies alike
             for running in (one, two):
                 assert running.proxy.metrics.prefill_choice.get("load") == len(mine)
+
+
+async def test_two_proxies_taking_turns_place_busy_groups_alike_and_balanced():
+    async with backends(prefills=4) as (pre, dec):
+        async with proxy_for(pre, dec) as one, proxy_for(pre, dec) as two:
+            groups = [system(n) for n in range(8)]
+            # 32 requests each (Placement assigns every 32), every group 4 times.
+            for round_ in range(4):
+                for prompt in groups:
+                    for running in (one, two):
+                        reply = await running.request(
+                            "POST", CHAT, turns(prompt, f"{round_} {running.port}"))
+                        assert reply.status == 200
+            placed = one.proxy.router.placement.homes
+            assert placed and placed == two.proxy.router.placement.homes
+            firsts = {prompt: prompt_blocks("chat", turns(prompt, "x"), 512).first
+                      for prompt in groups}
+            assert all(len(placed[firsts[prompt]]) == 1 for prompt in groups)
+            # Equal shares, (1 + 0.25) x the mean per endpoint: two groups each.
+            per = [sum(1 for prompt in groups if placed[firsts[prompt]][0] == backend.url)
+                   for backend in pre]
+            assert per == [2, 2, 2, 2]
+            for backend in pre:
+                backend.received.clear()
+            for prompt in groups:
+                for running in (one, two):
+                    reply = await running.request("POST", CHAT, turns(prompt, "more"))
+                    assert reply.status == 200
+            where = homes(pre)
+            for prompt in groups:  # both proxies sent it to its placed home
+                assert where[prompt] == {[b.url for b in pre].index(placed[firsts[prompt]][0])}
