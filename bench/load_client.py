@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import common
 from load_procs import cpu_delta, cpu_sample, memory_kb
 
 CHAT_PATH = "/v1/chat/completions"
@@ -26,12 +27,8 @@ _PROMPT = ("Summarise the following note in one sentence. The quarterly review "
 
 
 def chat_body(stream: bool) -> bytes:
-    body: dict[str, Any] = {"model": "demo-model", "max_tokens": 16, "temperature": 0,
-                            "messages": [{"role": "system", "content": "You are terse."},
-                                         {"role": "user", "content": _PROMPT}]}
-    if stream:
-        body["stream"] = True
-    return json.dumps(body, separators=(",", ":")).encode()
+    return common.chat_body([{"role": "system", "content": "You are terse."},
+                             {"role": "user", "content": _PROMPT}], 16, stream, temperature=0)
 
 
 def prefill_leg_body() -> bytes:

@@ -26,7 +26,8 @@ import sys
 import time
 from typing import Any
 
-from load_procs import ROOT, child_env, free_port
+from common import ROOT, free_port
+from load_procs import child_env
 from load_trace import Conversation, prompt_tokens, reference_hit_rate, trace
 
 TRACES = ("chat", "few-shot", "mix")

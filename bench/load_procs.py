@@ -17,7 +17,8 @@ import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from common import ROOT, free_port
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -167,12 +168,6 @@ class Backends:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ProxyProcess:

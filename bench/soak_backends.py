@@ -92,7 +92,7 @@ class FaultyBackend(DemoBackend):
         if not fault or not fault.startswith(prefix):
             await super().handle(request, responder)
             return
-        responder.watch_client()  # a hang-up cancels us, as vLLM aborts
+        request.watch_client()  # a hang-up cancels us, as vLLM aborts
         kind = fault[len(prefix):]
         if kind == "dies":
             await responder.start(200, [(b"content-type", b"text/event-stream")])
@@ -390,7 +390,7 @@ class GateLink:
         written by a proxy that had long had the stray in its own socket: one that
         reads it as their answer never dropped the idle connection, and is not
         excused. (A proxy that looks only at what its event loop has delivered
-        reuses it within the grace: tests/test_soak_findings.py catches that.) A
+        reuses it within the grace: tests/upstream/test_soak_findings.py catches that.) A
         FIN or a reset is the proxy dropping the connection, as it should."""
         sock = self.writer.get_extra_info("socket")
         if sock is None:

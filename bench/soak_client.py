@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import common
 import h11
 
 CHAT = b"/v1/chat/completions"
@@ -153,13 +154,12 @@ async def one_request(port: int, method: bytes, target: bytes, body: bytes | Non
 
 
 def chat_body(fault: str | None, stream: bool, tokens: int, soak_id: str | None = None) -> bytes:
-    body: dict[str, Any] = {"model": "demo-model", "max_tokens": tokens, "stream": stream,
-                            "messages": [{"role": "user", "content": "soak"}]}
+    fields: dict[str, Any] = {}
     if fault:
-        body["soak_fault"] = fault
+        fields["soak_fault"] = fault
     if soak_id:
-        body["soak_id"] = soak_id  # forwarded untouched; the gate echoes it as x-soak-id
-    return json.dumps(body).encode()
+        fields["soak_id"] = soak_id  # forwarded untouched; the gate echoes it as x-soak-id
+    return common.chat_body([{"role": "user", "content": "soak"}], tokens, stream, **fields)
 
 
 def wrong_answer(soak_id: str, stream: bool, reply: Reply,

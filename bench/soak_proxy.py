@@ -5,24 +5,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
 from typing import Any
 
+from common import ROOT, free_port
 from soak_client import one_request
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 GAUGES = ("lowproxy_client_connections", "lowproxy_requests_in_flight",
           "lowproxy_upstream_connections", "process_open_fds", "lowproxy_asyncio_tasks")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_proxy(args: argparse.Namespace, prefill_url: str, bootstrap_port: int,

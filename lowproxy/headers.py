@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-Headers = list[tuple[bytes, bytes]]
+from ._types import Headers
 
 # End-to-end request headers a model server may act on. Everything else (cookies,
 # authorization, proxy headers, x-prefiller-host-port, content-length, host,
@@ -93,6 +93,22 @@ def relayed_response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
     return relayed
 
 
+def body_framing(headers: Iterable[tuple[bytes, bytes]]) -> tuple[int | None, bool]:
+    """A response's Content-Length (None without one) and whether Transfer-Encoding
+    frames its body. Transfer-Encoding beats Content-Length (RFC 9112 section 6.3,
+    as h11 frames it): a length sent beside it describes nothing, so it is None."""
+    content_length = None
+    framed_by_transfer_encoding = False
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered == b"content-length":
+            content_length = int(value)
+        elif lowered == b"transfer-encoding":
+            framed_by_transfer_encoding = True
+    return (None if framed_by_transfer_encoding else content_length,
+            framed_by_transfer_encoding)
+
+
 def client_response_head(headers: Iterable[tuple[bytes, bytes]],
                          streamed: bool) -> tuple[Headers, int | None]:
     """Decode's response headers as the client gets them, and decode's content-length.
@@ -105,16 +121,7 @@ def client_response_head(headers: Iterable[tuple[bytes, bytes]],
     frame the client's body by a number the body does not match.
     """
     headers = list(headers)
-    content_length = None
-    framed_by_transfer_encoding = False
-    for name, value in headers:
-        lowered = name.lower()
-        if lowered == b"content-length":
-            content_length = int(value)
-        elif lowered == b"transfer-encoding":
-            framed_by_transfer_encoding = True
-    if framed_by_transfer_encoding:
-        content_length = None
+    content_length, _ = body_framing(headers)
     content_type = b"application/json"
     relayed = []
     for name, value in relayed_response_headers(headers):

@@ -74,17 +74,23 @@ def admin_action(path: str) -> str | None:
     return None
 
 
-def classify(method: bytes, path: str, sglang: bool = False) -> str:
+def route_and_surface(method: bytes, path: str, sglang: bool = False
+                      ) -> tuple[str, str | None]:
+    """The route of a request, and its generation surface (None unless GENERATION);
+    ``sglang``: the configured handshake is SGLang's (see surface_of)."""
     if admin_action(path) is not None:
-        return ADMIN  # whatever the method: the admin path is never forwarded
+        return ADMIN, None  # whatever the method: the admin path is never forwarded
     if method in (b"GET", b"HEAD"):
         if path in HEALTH_PATHS:
-            return HEALTH
+            return HEALTH, None
         if path == "/readyz":
-            return READY
+            return READY, None
         if path == "/metrics":
-            return METRICS
-        return PASSTHROUGH
-    if method == b"POST" and surface_of(path, sglang) is not None:
-        return GENERATION
-    return PASSTHROUGH
+            return METRICS, None
+        return PASSTHROUGH, None
+    surface = surface_of(path, sglang) if method == b"POST" else None
+    return (PASSTHROUGH if surface is None else GENERATION), surface
+
+
+def classify(method: bytes, path: str, sglang: bool = False) -> str:
+    return route_and_surface(method, path, sglang)[0]

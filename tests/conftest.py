@@ -1,5 +1,12 @@
-import os
-import sys
+"""Fixtures more than one test package uses (helpers/ holds the plain functions)."""
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from __future__ import annotations
+
+import pytest
+import trustme
+
+
+@pytest.fixture
+def ca() -> trustme.CA:
+    """A fresh certificate authority (trustme): backends' or clients' certificates."""
+    return trustme.CA()

@@ -11,6 +11,7 @@ import pytest
 from helpers import ScriptedBackend, chat, config_for, pd_setup, running_proxy
 from lowproxy.headers import (
     FORWARDED_REQUEST_HEADERS,
+    body_framing,
     client_response_head,
     connection_tokens,
     forwarded_request_headers,
@@ -254,3 +255,11 @@ def test_client_response_head_ignores_a_length_beside_transfer_encoding():
         headers, length = client_response_head(upstream, streamed=False)
         assert length is None
         assert headers == [(b"content-type", b"application/json")]
+
+
+def test_body_framing_transfer_encoding_beats_content_length():
+    assert body_framing([(b"Content-Length", b"7")]) == (7, False)
+    assert body_framing([(b"content-length", b"7"), (b"Transfer-Encoding", b"chunked")]) == (
+        None, True)
+    assert body_framing([(b"transfer-encoding", b"chunked")]) == (None, True)
+    assert body_framing([]) == (None, False)

@@ -3,10 +3,10 @@ Mooncake bootstrap in one.
 
 It serves ``--demo`` (a newcomer's first curl works with no GPU), the test
 suite and bench/load.py. It is strict where vLLM 0.33 is strict, so tests catch
-a proxy that shapes legs wrongly; see demo_engine.py (what is accepted, what is
-generated), demo_handshake.py (what a prefill keeps and a decode pulls),
-demo_answers.py (the shapes of the answers) and demo_kv.py (tokens, prefix
-cache, the emulated KV transfer).
+a proxy that shapes legs wrongly; see engine.py (what is accepted, what is
+generated), handshake.py (what a prefill keeps and a decode pulls),
+answers.py (the shapes of the answers) and kv.py (tokens, prefix cache, the
+emulated KV transfer).
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
 ``/v1/messages``, ``/inference/v1/generate`` (with ``scale_out`` only, else
@@ -225,7 +225,7 @@ class DemoBackend:
         if self.faults.close_without_response:
             responder.drop()
             return
-        responder.watch_client()  # a hang-up cancels this handler, as vLLM aborts
+        request.watch_client()  # a hang-up cancels this handler, as vLLM aborts
         try:
             await self._abortable(request, responder, route, body)
         except asyncio.CancelledError:

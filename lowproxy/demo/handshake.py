@@ -1,6 +1,6 @@
 """The KV side of the demo backend: what a prefill keeps, what a decode pulls.
 
-Emulated as vLLM 0.33 (and SGLang) behave, per PROTOCOL.md:
+Emulated as vLLM 0.33 (and SGLang) behave:
 
 * Mooncake (0.16+, ``transfer_id``; and the 0.13-0.15 relay-style connector):
   a prefill that finishes *stopped* (EOS, a ``stop_token_ids`` id, a stop
@@ -26,8 +26,8 @@ from typing import Any
 from .engine import Output, Parsed, Problem
 from .kv import remote_kv
 
-# The functions below read and change one demo.DemoBackend's state; typed Any
-# so that this module stays below demo.py (which imports it).
+# The functions below read and change one DemoBackend's state; typed Any
+# so that this module stays below backend.py (which imports it).
 DemoBackend = Any
 
 NIXL, MOONCAKE_LEGACY = "nixl", "mooncake-0.13"

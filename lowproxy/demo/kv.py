@@ -1,7 +1,7 @@
 """The demo backend's stand-ins for tokens, the prefix cache and the KV transfer.
 
 Tokens: the demo's tokenizer makes one token per whitespace-separated word of
-the rendered prompt (``render_prompt``); a word's id is a stable hash of it
+the rendered prompt (``render_messages``); a word's id is a stable hash of it
 (crc32, so every process and replica agrees), kept clear of the ids the demo
 generates and of ``EOS_TOKEN_ID``. A completions prompt given as token ids is
 taken as is.
@@ -14,7 +14,7 @@ a prompt's tail blocks evicted before its head, as vLLM frees them), per backend
 KV transfer: ``KvRegistry`` records which transfers a prefill computed; a
 prefill and a decode started in one process share one. Started as separate
 processes, the decode asks the prefill's bootstrap server instead
-(``GET /kv?key=...``, see demo.py): the emulated transfer.
+(``GET /kv?key=...``, see backend.py): the emulated transfer.
 """
 
 from __future__ import annotations

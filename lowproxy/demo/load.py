@@ -7,8 +7,7 @@ only to hit more. With ``--prefill-us-per-token`` above 0, each request's
 uncached tokens cost that many microseconds, one request computing at a time
 per process (the others wait: ``num_requests_waiting``).
 
-What vLLM 0.33 tells of its load (PROTOCOL.md, "What the engines tell about
-their load") is reported alike: ``GET /metrics`` with the gauges
+What vLLM 0.33 tells of its load is reported alike: ``GET /metrics`` with the gauges
 ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:kv_cache_usage_perc`` and the prefix-cache counters (tokens), and an
 ORCA ``endpoint-load-metrics`` header on a non-streamed answer whose request

@@ -1,5 +1,5 @@
 """The SGLang side of the demo backend: what an SGLang PD server refuses, and how
-it serves a batch. Emulated as SGLang 0.5.23 behaves (shared/PROTOCOL.md, "SGLang PD"):
+it serves a batch. Emulated as SGLang 0.5.23 behaves in PD disaggregation:
 
 * A decode started with ``--disaggregation-mode decode`` refuses every request
   without ``bootstrap_room``: its scheduler aborts it with status 400 and

@@ -1,4 +1,4 @@
-"""The demo backend's records, fault knobs and error answers (see demo.py)."""
+"""The demo backend's records, fault knobs and error answers (see backend.py)."""
 
 from __future__ import annotations
 

@@ -19,11 +19,12 @@ from typing import Any, Awaitable, Callable
 
 import h11
 
+from .._types import Headers
 from ..answers import REASONS, bad_gateway, canned_response, error_body, internal_error
 from ..routes import speaks_anthropic
 from ..timeouts import deadline
 from .limits import Limits, origin_target, oversized_head_status, refusal
-from .messages import AbortResponse, ClientGone, ClientRequest, Headers, ResponseWriter
+from .messages import AbortResponse, ClientGone, ClientRequest, ResponseWriter
 from .responder import Responder
 
 log = logging.getLogger("lowproxy.server")
@@ -322,7 +323,7 @@ class ClientConnection:
             return None
         self._disarm()
         return ClientRequest(event.method, origin_target(event.target), list(event.headers),
-                             body, event.http_version)
+                             body, event.http_version, self.watch_client)
 
     async def _reject_unparsable(self, exc: h11.RemoteProtocolError) -> None:
         status = exc.error_status_hint

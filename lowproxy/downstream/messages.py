@@ -1,15 +1,16 @@
 """What a handler sees of one exchange: the request, and the interface that answers it.
 
-``ResponseWriter`` is the handler's view of the client side; the Responder
-(responder.py) implements it over one client connection. Handlers and the
-dispatch executor depend on this interface only, never on the connection.
+``ClientRequest`` is the read side (the request, and watching its client hang
+up); ``ResponseWriter`` the write side, which the Responder (responder.py)
+implements over one client connection. Handlers and the dispatch executor
+depend on these two only, never on the connection.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
-Headers = list[tuple[bytes, bytes]]
+from .._types import Headers
 
 
 class ClientGone(Exception):
@@ -21,18 +22,30 @@ class AbortResponse(Exception):
     what was sent so far (no final chunk), so the client sees a truncated body."""
 
 
+def _not_watched() -> None:
+    pass
+
+
 class ClientRequest:
-    __slots__ = ("method", "target", "path", "headers", "body", "http_version")
+    __slots__ = ("method", "target", "path_bytes", "path", "headers", "body", "http_version",
+                 "_watch")
 
     def __init__(self, method: bytes, target: bytes, headers: Headers,
-                 body: bytes, http_version: bytes) -> None:
+                 body: bytes, http_version: bytes,
+                 watch: Callable[[], None] = _not_watched) -> None:
         self.method = method
         self.target = target  # path and query exactly as received
-        path = target.split(b"?", 1)[0]
-        self.path = path.decode("latin-1")
+        self.path_bytes = target.split(b"?", 1)[0]  # the one split of the target
+        self.path = self.path_bytes.decode("latin-1")
         self.headers = headers  # lowercased names, raw values, in order
         self.body = body
         self.http_version = http_version
+        self._watch = watch
+
+    def watch_client(self) -> None:
+        """From now on, a client that hangs up cancels the handler (its connection
+        reads the socket while the handler waits on a backend)."""
+        self._watch()
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -76,8 +89,6 @@ class ResponseWriter(Protocol):
                         headers: Headers | None = None) -> None: ...
 
     def drop(self) -> None: ...
-
-    def watch_client(self) -> None: ...
 
     @property
     def client_gone(self) -> bool: ...

@@ -11,8 +11,8 @@ from typing import Any, Protocol
 
 import h11
 
+from .._types import Headers
 from ..answers import REASONS, json_body
-from .messages import Headers
 
 # Past this much unsent to a client, stop relaying until it catches up.
 WRITE_HIGH_WATER = 64 * 1024
@@ -36,8 +36,6 @@ class Wire(Protocol):
     def write_buffer_size(self) -> int: ...
 
     def drop(self) -> None: ...
-
-    def watch_client(self) -> None: ...
 
 
 class Responder:
@@ -177,10 +175,6 @@ class Responder:
         """Close the connection at once, with no (further) response bytes."""
         self.ended = False
         self._wire.drop()
-
-    def watch_client(self) -> None:
-        """Notice a client that hangs up while the handler waits (see connection.py)."""
-        self._wire.watch_client()
 
     @property
     def client_gone(self) -> bool:

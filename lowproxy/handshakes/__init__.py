@@ -4,8 +4,8 @@
 ``relay`` (NIXL), ``mooncake`` or ``sglang`` for its ``Plan``: the bodies, headers and
 order of each leg, shaped by ``legs`` under the engines' ``rules``. Pure but for
 ``bootstrap``, which asks a prefill engine's bootstrap server for its engine ids
-(cached). ``client_body`` parses the client's JSON once, ``backend_json`` reads
-engines' JSON answers strictly, ``usage`` rewrites cached-token counts.
+(cached). ``client_body`` parses the client's JSON once and ``backend_json``
+engines' answers, both with ``strict_json``; ``usage`` rewrites cached-token counts.
 """
 
 from .backend_json import MAX_PREFILL_ANSWER_BYTES, BadAnswer, strict_loads

@@ -5,45 +5,30 @@ may answer JSON nested past Python's recursion limit, NaN (not JSON, RFC 8259
 section 6), a list where an object belongs, megabytes of it, or engine ids full
 of control characters. Whatever it sends, the parsers here either return what
 the proxy can safely use or raise BadAnswer, whose message is safe to log; they
-never raise anything else. A leaf module: pure, no I/O, no lowproxy imports.
+never raise anything else. Pure, no I/O; the parsing itself is strict_json's.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any
+
+from .._types import KV
+from . import strict_json
+from .strict_json import MAX_DEPTH
 
 # A prefill answer is one token of JSON; anything larger is not one (the caller
 # already reads at most this much, this bound holds whoever the caller is).
 MAX_PREFILL_ANSWER_BYTES = 8 * 1024 * 1024
 # A /query answer lists a few ranks; vLLM's is well under a kilobyte per rank.
 MAX_QUERY_ANSWER_BYTES = 1024 * 1024
-# NIXL's deepest field is remote_block_ids, a list of lists: a few levels. 128 is
-# serde_json's default recursion limit; json.dumps of that depth always succeeds
-# far from the interpreter's limit, so whatever is relayed to decode serialises.
-MAX_DEPTH = 128
 MAX_RANKS = 1024
 MAX_RANK_DIGITS = 6
 # vLLM's engine ids are "<uuid>_dp<rank>" (about 45 characters) unless pinned.
 MAX_ENGINE_ID_CHARS = 256
 
-KV = "kv_transfer_params"
-
 
 class BadAnswer(ValueError):
     """A backend answer the proxy cannot use; the message names why (never the bytes)."""
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    number = float(text)
-    if math.isinf(number):  # 1e999: Python reads it as inf, which JSON cannot carry
-        raise ValueError("number out of range")
-    return number
 
 
 def strict_loads(raw: bytes, max_bytes: int) -> Any:
@@ -51,26 +36,11 @@ def strict_loads(raw: bytes, max_bytes: int) -> Any:
     if len(raw) > max_bytes:
         raise BadAnswer(f"answer larger than {max_bytes} bytes")
     try:
-        value = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
-    except RecursionError:
-        raise BadAnswer("answer nested too deep") from None
-    except ValueError:  # UnicodeDecodeError is a ValueError too
+        return strict_json.loads(raw)
+    except strict_json.TooDeep:
+        raise BadAnswer(f"answer nested deeper than {MAX_DEPTH} levels") from None
+    except strict_json.NotJson:
         raise BadAnswer("answer is not JSON") from None
-    if nested_deeper_than(value, MAX_DEPTH):
-        raise BadAnswer(f"answer nested deeper than {MAX_DEPTH} levels")
-    return value
-
-
-def nested_deeper_than(value: Any, limit: int) -> bool:
-    """Whether containers nest deeper than ``limit``; iterative, so any depth is safe."""
-    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
-    while stack:
-        container, depth = stack.pop()
-        if depth > limit:
-            return True
-        items = container.values() if isinstance(container, dict) else container
-        stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)))
-    return False
 
 
 def prefill_answer_kv(raw: bytes) -> dict[str, Any] | None:

@@ -16,7 +16,8 @@ from typing import Callable
 
 from ..config.settings import EndpointSpec
 from ..timeouts import deadline
-from ..upstream.pool import Endpoint, Upstream, UpstreamError
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Upstream, UpstreamError
 from .backend_json import MAX_QUERY_ANSWER_BYTES, BadAnswer, query_engine_ids
 
 QUERY_TIMEOUT_SECONDS = 5.0  # as llm-d's sidecar and vLLM's own bound

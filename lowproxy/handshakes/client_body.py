@@ -1,21 +1,17 @@
 """The client's request body: parsed once, and stripped of the fields the proxy owns.
 
 No I/O here. A client must never steer where a decode server pulls KV from
-(shared/PROTOCOL.md), so the fields that would let it are removed before
-planning, whatever the route.
+(a vLLM connector connects wherever kv_transfer_params say), so the fields
+that would let it are removed before planning, whatever the route.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any
 
-from .backend_json import nested_deeper_than
-
-Body = dict[str, Any]
-
-KV = "kv_transfer_params"
+from .._types import KV, Body
+from . import strict_json
+from .strict_json import MAX_DEPTH
 
 PROXY_OWNED_FIELDS: tuple[tuple[str, ...], ...] = (
     (KV,),
@@ -43,11 +39,6 @@ PROXY_OWNED_FIELDS: tuple[tuple[str, ...], ...] = (
 # case) costs one set test.
 _OWNED_TOP_LEVEL = frozenset(path[0] for path in PROXY_OWNED_FIELDS)
 
-# Containers nested deeper than this are refused. The parser accepts up to about
-# the interpreter's recursion limit (1000), but json.dumps of a leg, called from
-# deeper in the stack, would then raise RecursionError. 128 is serde_json's
-# default limit; real requests (messages, tool JSON schemas) nest far less.
-MAX_DEPTH = 128
 TOO_DEEP = f"JSON body nested deeper than {MAX_DEPTH} levels"
 
 
@@ -55,40 +46,22 @@ class BodyError(ValueError):
     """The client's body is not a usable JSON object; the message is the client's answer."""
 
 
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not JSON")
-
-
-def _finite_float(text: str) -> float:
-    number = float(text)
-    if math.isinf(number):  # 1e999 reads as inf: no JSON can carry it on (RFC 8259 6)
-        raise ValueError("number out of range")
-    return number
-
-
 def parse_client_body(raw: bytes) -> Body:
     """Parse the client's body once. An empty body counts as {} (as in the GCO proxy).
 
-    Only RFC 8259 JSON: NaN, Infinity and numbers that overflow to infinity
-    are refused (Python's parser takes them and json.dumps would forward them
-    as bare tokens no strict parser reads), and so is nesting deeper than
-    MAX_DEPTH, which the legs could not serialise again.
+    Only RFC 8259 JSON nested at most MAX_DEPTH deep (strict_json), which the
+    legs can serialise again.
     """
     if not raw:
         return {}
     try:
-        decoded = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
-    except RecursionError:
+        decoded = strict_json.loads(raw)
+    except strict_json.TooDeep:
         raise BodyError(TOO_DEEP) from None
-    except ValueError:  # UnicodeDecodeError is a ValueError
+    except strict_json.NotJson:
         raise BodyError("invalid JSON body") from None
     if not isinstance(decoded, dict):
         raise BodyError("JSON body must be an object")
-    # Depth needs at least MAX_DEPTH opening brackets: counting them is a C-speed
-    # scan, so a normal body never pays for the walk.
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nested_deeper_than(decoded,
-                                                                              MAX_DEPTH):
-        raise BodyError(TOO_DEEP)
     return decoded
 
 

@@ -1,7 +1,6 @@
 """Pure body shaping: from the client's JSON object to the prefill and decode bodies.
 
-No I/O here. The facts behind each rule are in shared/PROTOCOL.md; each rule
-names the vLLM behaviour it exists for.
+No I/O here. Each rule names the vLLM behaviour it exists for.
 """
 
 from __future__ import annotations
@@ -10,18 +9,15 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .._types import KV, Body, Headers
 from ..routes import CHAT, GENERATE, MESSAGES, RESPONSES
+from ..upstream.endpoint import Endpoint
 from .rules import (
     GENERATE_SAMPLING_DROPPED,
     MESSAGES_PREFILL_DROPPED,
     PREFILL_DROPPED,
     RESPONSES_PREFILL_DROPPED,
 )
-
-Body = dict[str, Any]
-Headers = list[tuple[bytes, bytes]]
-
-KV = "kv_transfer_params"
 
 
 def serialise(body: Body) -> bytes:
@@ -146,13 +142,6 @@ def sglang_body(body: Body, bootstrap_host: str, bootstrap_port: int, room: int 
     return shaped
 
 
-
-
-def path_only(target: bytes) -> bytes:
-    """Prefill gets the path without the query string, as the GCO proxy sent it."""
-    return target.split(b"?", 1)[0]
-
-
 @dataclass(slots=True)
 class Plan:
     """What to send for one request: made by a handshake's plan(), run by dispatch.
@@ -166,12 +155,11 @@ class Plan:
     bootstrap map), so dispatch applies the failure policy at once.
     """
 
-    handshake: str  # relay, mooncake, sglang; "" for a passthrough
     method: bytes
     decode_target: bytes
     decode_body: bytes | None
     client_body: Body | None = None
-    prefill: Any = None  # the chosen prefill Endpoint
+    prefill: Endpoint | None = None  # the chosen prefill endpoint
     prefill_target: bytes = b""
     prefill_body: bytes = b""
     prefill_headers: Headers = field(default_factory=list)
@@ -182,18 +170,14 @@ class Plan:
     # SGLang: the rids each leg is served under (the proxy's own; one per child
     # of a batch), to abort them by.
     abort_rids: tuple[str, ...] = ()
-    surface: str = CHAT  # routes.CHAT, COMPLETIONS, RESPONSES, MESSAGES, GENERATE
-    # Called once the prefill leg has ended: the prefill's outstanding work is
-    # released then, not when a stream that may last minutes ends.
-    on_prefill_done: Callable[[], None] | None = None
 
     def fallback_body(self) -> bytes:
         """Decode's body when there is no KV to pull: the client's, as it came."""
         return serialise(self.client_body if self.client_body is not None else {})
 
 
-def decode_only_plan(method: bytes, target: bytes, body: bytes | None, handshake: str = "",
+def decode_only_plan(method: bytes, target: bytes, body: bytes | None,
                      client_body: Body | None = None, prefill_failure: str | None = None,
                      skip_reason: str | None = None) -> Plan:
-    return Plan(handshake, method, target, body, client_body=client_body,
+    return Plan(method, target, body, client_body=client_body,
                 prefill_failure=prefill_failure, skip_reason=skip_reason)

@@ -9,21 +9,20 @@ planning.
 
 from __future__ import annotations
 
-from typing import Any
-
+from .._types import Body
 from ..routes import CHAT
-from .legs import Body, Plan, mooncake_bodies, path_only, serialise
+from ..upstream.endpoint import Endpoint
+from .legs import Plan, mooncake_bodies, serialise
 
 RANK_HEADER = b"X-data-parallel-rank"
 
 
-def plan(body: Body, target: bytes, prefill: Any, rank: str, engine_id: str,
+def plan(body: Body, target: bytes, path: bytes, prefill: Endpoint, rank: str, engine_id: str,
          bootstrap_addr: str, transfer_id: str, surface: str = CHAT) -> Plan:
     """Both legs at once; the prefill leg lands on ``rank``, whose engine decode pulls from."""
     prefill_body, decode_body = mooncake_bodies(body, transfer_id, engine_id, bootstrap_addr,
                                                 surface)
-    return Plan("mooncake", b"POST", target, serialise(decode_body), client_body=body,
-                prefill=prefill, prefill_target=path_only(target),
+    return Plan(b"POST", target, serialise(decode_body), client_body=body,
+                prefill=prefill, prefill_target=path,
                 prefill_body=serialise(prefill_body),
-                prefill_headers=[(RANK_HEADER, rank.encode())], concurrent=True,
-                surface=surface)
+                prefill_headers=[(RANK_HEADER, rank.encode())], concurrent=True)

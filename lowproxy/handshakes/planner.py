@@ -10,18 +10,42 @@ from __future__ import annotations
 
 import random
 import uuid
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Protocol
 
+from .._types import Body
 from ..config.settings import Config
 from ..ids import Ids
+from ..upstream.endpoint import Endpoint
 from . import mooncake, relay, sglang
 from .bootstrap import BootstrapCache, BootstrapError
-from .legs import Body, Plan, decode_only_plan, serialise
+from .legs import Plan, decode_only_plan, serialise
 from .rules import SHORT, cannot_hand_off, too_short
 
 DECODE_CACHED = "decode-cached"  # decode-first: decode holds all but a few tokens
 
 _rooms = random.SystemRandom()
+
+
+@dataclass(slots=True)
+class Generation:
+    """A generation request as the planner reads it: the client's body parsed once."""
+
+    surface: str  # routes.CHAT, COMPLETIONS, ...
+    target: bytes  # path and query as the client sent them: decode's target
+    path: bytes  # the path alone: prefill's target, as the GCO proxy sent it
+    body: Body
+    prompt_bytes: int | None = None  # the prompt's size, when a setting reads it
+    decode_cached: bool = False  # decode-first: decode holds all but a few of its tokens
+
+
+class PrefillPick(Protocol):
+    """Routing's prefill choice, asked for only when a prefill leg is planned."""
+
+    @property
+    def configured(self) -> bool: ...
+
+    def __call__(self) -> Endpoint | None: ...
 
 
 def _new_room() -> int:
@@ -44,56 +68,51 @@ def skip_reason(config: Config, surface: str, body: Body, prompt_bytes: int | No
     return skipped
 
 
-async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids, surface: str,
-                          target: bytes, body: Body, choose_prefill: Callable[[], Any],
-                          prefill_configured: bool, prompt_bytes: int | None = None,
-                          release_prefill: Callable[[], None] | None = None,
-                          decode_cached: bool = False) -> Plan:
+async def plan_generation(config: Config, bootstrap: BootstrapCache, ids: Ids,
+                          request: Generation, choose_prefill: PrefillPick) -> Plan:
     """The plan for one generation request; ``choose_prefill()`` names its prefill endpoint.
 
     The prefill endpoint is chosen only for a request that will have a prefill
     leg, so a skipped request counts no prefill choice and no prefill load.
     """
-    handshake = config.kv_protocol
-    if not prefill_configured:
+    surface, target, body = request.surface, request.target, request.body
+    if not choose_prefill.configured:
         # No prefill configured: decode computes the prompt itself, no handshake.
-        return decode_only_plan(b"POST", target, serialise(body), handshake)
-    skipped = skip_reason(config, surface, body, prompt_bytes)
-    if skipped is None and decode_cached and handshake != "sglang":
+        return decode_only_plan(b"POST", target, serialise(body))
+    skipped = skip_reason(config, surface, body, request.prompt_bytes)
+    if skipped is None and request.decode_cached and config.kv_protocol != "sglang":
         # SGLang's decode cannot run without a bootstrap_room: never skipped there.
         skipped = DECODE_CACHED
     if skipped is not None:
         # Decode gets the client's request unchanged and computes the prompt.
-        return decode_only_plan(b"POST", target, serialise(body), handshake,
-                                skip_reason=skipped)
+        return decode_only_plan(b"POST", target, serialise(body), skip_reason=skipped)
     prefill = choose_prefill()
     if prefill is None:  # dns+ names that resolve to no address
-        return decode_only_plan(b"POST", target, None, handshake, client_body=body,
+        return decode_only_plan(b"POST", target, None, client_body=body,
                                 prefill_failure="no usable prefill endpoint")
-    plan = await _two_legs(config, bootstrap, ids, surface, target, body, prefill)
-    plan.on_prefill_done = release_prefill
-    return plan
+    return await _two_legs(config, bootstrap, ids, request, prefill)
 
 
-async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, surface: str,
-                    target: bytes, body: Body, prefill: Any) -> Plan:
+async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, request: Generation,
+                    prefill: Endpoint) -> Plan:
     """The configured handshake's plan, with its prefill leg going to ``prefill``."""
     handshake = config.kv_protocol
+    surface, target, path, body = request.surface, request.target, request.path, request.body
     if handshake == "relay":
-        return relay.plan(body, target, prefill, surface, config.forward_prompt_token_ids)
+        return relay.plan(body, target, path, prefill, surface, config.forward_prompt_token_ids)
     if handshake == "sglang":
         port = prefill.spec.bootstrap_port or config.sglang_bootstrap_port
         rid = f"lowproxy-{ids.next_hex()}"  # fixed width: no rid is a prefix of another
-        return sglang.plan(body, target, prefill, prefill.bootstrap_host, port, _new_room,
-                           rid, surface)
+        return sglang.plan(body, target, path, prefill, prefill.bootstrap_host, port,
+                           _new_room, rid, surface)
     try:
         engines = await bootstrap.engines(prefill)
     except BootstrapError as exc:
-        failed = decode_only_plan(b"POST", target, None, handshake, client_body=body,
+        failed = decode_only_plan(b"POST", target, None, client_body=body,
                                   prefill_failure=str(exc))
         failed.prefill = prefill
         return failed
     rank, engine_id = engines.next_rank()
     # xfer-<uuid4>: the llm-d sidecar's form, kept so logs and tools line up.
-    return mooncake.plan(body, target, prefill, rank, engine_id,
+    return mooncake.plan(body, target, path, prefill, rank, engine_id,
                          bootstrap.bootstrap_addr(prefill), f"xfer-{uuid.uuid4()}", surface)

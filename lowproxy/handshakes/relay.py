@@ -11,11 +11,13 @@ from __future__ import annotations
 from functools import partial
 from typing import Any
 
+from .._types import Body
 from ..routes import CHAT
-from .legs import Body, Plan, path_only, relay_decode_body, relay_prefill_body, serialise
+from ..upstream.endpoint import Endpoint
+from .legs import Plan, relay_decode_body, relay_prefill_body, serialise
 
 
-def plan(body: Body, target: bytes, prefill: Any, surface: str = CHAT,
+def plan(body: Body, target: bytes, path: bytes, prefill: Endpoint, surface: str = CHAT,
          forward_token_ids: bool = False) -> Plan:
     """Both legs in turn: decode's body is made from prefill's answer.
 
@@ -26,9 +28,9 @@ def plan(body: Body, target: bytes, prefill: Any, surface: str = CHAT,
     prefill_body = relay_prefill_body(body, surface)
     if forward_token_ids and surface == CHAT:
         prefill_body["return_token_ids"] = True
-    return Plan("relay", b"POST", target, None, client_body=body, prefill=prefill,
-                prefill_target=path_only(target), prefill_body=serialise(prefill_body),
-                decode_body_for=partial(_decode_body, body), surface=surface)
+    return Plan(b"POST", target, None, client_body=body, prefill=prefill,
+                prefill_target=path, prefill_body=serialise(prefill_body),
+                decode_body_for=partial(_decode_body, body))
 
 
 def _decode_body(body: Body, prefill_kv: Any, prompt_token_ids: Any = None) -> bytes:

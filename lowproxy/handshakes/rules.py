@@ -1,7 +1,7 @@
 """vLLM's rules for a handed-off request, as pure functions of the client's body.
 
-Checked against the vLLM 0.33 source (shared/PROTOCOL.md, "Failure
-semantics"): which fields the prefill leg must not carry, which requests
+Checked against the vLLM 0.33 source (its failure semantics for a
+disaggregated request): which fields the prefill leg must not carry, which requests
 decode rejects in its request model (a prefill KV computed for such a request
 is never read and stays pinned: 480 s under Mooncake, 30 s under NIXL), and
 which requests cannot be handed off at all (decode recomputes the prompt, or
@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._types import Body
 from ..routes import CHAT, COMPLETIONS, GENERATE, RESPONSES
-
-Body = dict[str, Any]
 
 # The fields the prefill leg drops, and why (the README's table is this one).
 PREFILL_DROPPED: dict[str, str] = {

@@ -18,8 +18,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from .._types import Body
 from ..routes import CHAT, COMPLETIONS, SGLANG_GENERATE
-from .legs import Body, Plan, path_only, serialise, sglang_body
+from ..upstream.endpoint import Endpoint
+from .legs import Plan, serialise, sglang_body
 
 # A room is a non-negative int64 in SGLang; a random 63-bit integer each.
 ROOM_BITS = 63
@@ -88,8 +90,9 @@ def rooms_for(batch: int | None, new_room: Callable[[], int]) -> int | list[int]
     return sorted(rooms)
 
 
-def plan(body: Body, target: bytes, prefill: Any, bootstrap_host: str, bootstrap_port: int,
-         new_room: Callable[[], int], rid: str, surface: str = CHAT) -> Plan:
+def plan(body: Body, target: bytes, path: bytes, prefill: Endpoint, bootstrap_host: str,
+         bootstrap_port: int, new_room: Callable[[], int], rid: str,
+         surface: str = CHAT) -> Plan:
     """Both legs at once, the same body, the same rooms and the same proxy-made rid.
 
     ``new_room()`` makes one random room; it is called once per child SGLang
@@ -98,6 +101,6 @@ def plan(body: Body, target: bytes, prefill: Any, bootstrap_host: str, bootstrap
     batch = children(surface, body)
     shaped = serialise(sglang_body(body, bootstrap_host, bootstrap_port,
                                    rooms_for(batch, new_room), rid))
-    return Plan("sglang", b"POST", target, shaped, client_body=body, prefill=prefill,
-                prefill_target=path_only(target), prefill_body=shaped, concurrent=True,
-                abort_rids=child_rids(rid, batch), surface=surface)
+    return Plan(b"POST", target, shaped, client_body=body, prefill=prefill,
+                prefill_target=path, prefill_body=shaped, concurrent=True,
+                abort_rids=child_rids(rid, batch))

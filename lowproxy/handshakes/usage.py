@@ -24,9 +24,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .._types import Body
 from ..routes import CHAT, COMPLETIONS, MESSAGES, RESPONSES
-
-Body = dict[str, Any]
 
 # What only an event carrying usage contains, per surface.
 STREAM_MARKERS: dict[str, tuple[bytes, ...]] = {

@@ -4,8 +4,8 @@ The result is a zipapp holding lowproxy and the pure-Python packages it needs
 at run time (h11, httpcore, anyio and what they require), so that
 ``python3 -I -S lowproxy.pyz`` runs on a bare CPython 3.10 to 3.13 image with
 nothing installed. It is small enough for a Kubernetes ConfigMap. Which
-distributions and files go in is pack_sources.py's business; requirement and
-marker parsing is pack_markers.py's.
+distributions and files go in is sources.py's business; requirement and
+marker parsing is markers.py's.
 
 The archive is reproducible: entries sorted by name, every timestamp taken
 from SOURCE_DATE_EPOCH (1980-01-01 when unset), fixed permissions, no

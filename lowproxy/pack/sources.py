@@ -22,7 +22,7 @@ import lowproxy
 from .markers import PackError, marker_applies, normalize, parse_requirement, target_environment
 
 # The roots of what the archive bundles: [project] dependencies in pyproject.toml
-# (tests/test_pack.py checks they are declared there).
+# (tests/pack/test_pack.py checks they are declared there).
 ROOT_REQUIREMENTS = ("h11>=0.14,<1", "httpcore[asyncio]>=1.0.5,<1.1")
 
 # The Python versions the archive must run on; markers are evaluated for each.

@@ -37,7 +37,8 @@ from ..keys import BackendKey, bearer_token
 from ..routes import admin_action
 from ..routing.groups import BackendGroup, ModelList, parse_models
 from ..timeouts import deadline
-from ..upstream.pool import Endpoint, Upstream, UpstreamError
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Upstream, UpstreamError
 
 log = logging.getLogger("lowproxy.admin")
 

@@ -11,12 +11,14 @@ import asyncio
 import logging
 from typing import Any, Callable, Coroutine
 
+from .._types import Headers
 from ..answers import json_body
-from ..downstream.messages import Headers
 from ..handshakes.backend_json import MAX_PREFILL_ANSWER_BYTES
 from ..observability import logs
 from ..timeouts import deadline
-from ..upstream.pool import Endpoint, Upstream, UpstreamError, UpstreamResponse
+from ..upstream.endpoint import Endpoint
+from ..upstream.errors import UpstreamTimeout, UpstreamUnreachable
+from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse
 from .failures import PrefillResult, prefill_outcome
 
 # SGLang's POST /abort_request: best effort, and never waited on by a client.
@@ -24,7 +26,7 @@ ABORT_TIMEOUT_SECONDS = 2.0
 ABORT_HEADERS = [(b"content-type", b"application/json")]
 MAX_ABORTED_RIDS = 256  # a batch's children, aborted one by one
 
-log = logging.getLogger("lowproxy.exchange")
+log = logging.getLogger("lowproxy.dispatch")
 
 
 async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes,
@@ -56,7 +58,8 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
         return PrefillResult(False, "timeout",
                              detail=f"prefill did not answer within {timeout:g}s"), status
     except UpstreamError as exc:
-        outcome = {"unreachable": "unreachable", "timeout": "timeout"}.get(exc.reason, "error")
+        outcome = ("unreachable" if isinstance(exc, UpstreamUnreachable)
+                   else "timeout" if isinstance(exc, UpstreamTimeout) else "error")
         return PrefillResult(False, outcome, detail=exc.detail), status
 
 

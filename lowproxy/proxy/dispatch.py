@@ -4,8 +4,8 @@ Read top to bottom, as Go's ReverseProxy is: ``run`` opens decode's response
 (``_decode_response``: decode only, the legs in turn, or both at once with the
 commit point), then copies decode's answer to the client (``_copy_answer``).
 Every failure on the way is an exception of the Failure family, and one
-function, ``answer_failure``, decides its metric label, its log line and the
-client's answer. The prefill-failure policy (PD_PROXY_ON_PREFILL_FAILURE) is
+function, ``failure_answers.answer_failure``, decides its metric label, its log
+line and the client's answer. The prefill-failure policy (PD_PROXY_ON_PREFILL_FAILURE) is
 applied in one place, ``_without_kv``.
 """
 
@@ -14,22 +14,23 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, Awaitable
+from typing import Any, Awaitable, Callable
 
-from .. import answers
+from .._types import Headers
 from ..config.settings import Config
-from ..downstream.messages import AbortResponse, ClientGone, Headers, ResponseWriter
+from ..downstream.messages import ClientGone, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.legs import Plan
 from ..handshakes.usage import rewrite_body, rewrite_events
 from ..headers import client_response_head
 from ..observability import logs
 from ..observability.metrics import Metrics
-from ..routes import speaks_anthropic
 from ..routing.engine_load import ASK_ORCA, EngineLoads
 from ..routing.groups import BackendGroup
 from ..timeouts import deadline, first_done
-from ..upstream.pool import Endpoint, Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
+from ..upstream.endpoint import Endpoint
+from ..upstream.errors import UpstreamUnreachable, UpstreamUntrusted
+from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
 from .auxiliary_legs import (
     BackgroundTasks,
     decode_failed,
@@ -37,7 +38,8 @@ from .auxiliary_legs import (
     send_abort,
     send_prefill_leg,
 )
-from .exchange import Exchange
+from .exchange import Exchange, PrefillLeg
+from .failure_answers import answer_failure
 from .failures import (
     DecodeFailed,
     DecodeTimedOut,
@@ -53,16 +55,26 @@ from .tracing import Tracing
 # A non-streamed answer whose usage is rewritten is read whole; larger is cut.
 MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
 
-log = logging.getLogger("lowproxy.exchange")
+log = logging.getLogger("lowproxy.dispatch")
+
+
+def _nobody_listens(exchange: Exchange) -> None:
+    pass
 
 
 class Dispatcher:
-    """Sends the legs of planned requests; owns the prefill legs left to finish."""
+    """Sends the legs of planned requests; owns the prefill legs left to finish.
+
+    ``prefill_ended(exchange)`` is told once per request that its prefill leg is
+    over, or that none will be sent: whoever counts prefill load listens there.
+    """
 
     def __init__(self, config: Config, upstream: Upstream, prefill: BackendGroup,
                  decode: BackendGroup, bootstrap: BootstrapCache, metrics: Metrics,
-                 tracing: Tracing | None) -> None:
+                 tracing: Tracing | None,
+                 prefill_ended: Callable[[Exchange], None] = _nobody_listens) -> None:
         self.config = config
+        self.prefill_ended = prefill_ended
         self.upstream = upstream
         self.prefill = prefill
         self.decode = decode
@@ -82,24 +94,33 @@ class Dispatcher:
     # -- the pipeline
 
     async def run(self, exchange: Exchange, responder: ResponseWriter,
-                  planning: Awaitable[Plan]) -> None:
+                  planning: Plan | Awaitable[Plan]) -> None:
         """Plan, open decode's response, copy it to the client; answer any failure.
 
-        ``planning`` is awaited here so that nothing up the stack keeps the
-        client's body: once decode's response is open the plan is dropped, and
-        a stream that lasts minutes holds no copy of the prompt.
+        A generation's ``planning`` is awaited here so that nothing up the stack
+        keeps the client's body: once decode's response is open the plan is
+        dropped, and a stream that lasts minutes holds no copy of the prompt.
         """
         try:
-            plan = await planning
+            plan = planning if isinstance(planning, Plan) else await planning
             if plan.skip_reason is not None:
                 exchange.skip_reason = plan.skip_reason
-                self.metrics.prefill_legs.inc(plan.handshake, "skipped", plan.skip_reason)
-            exchange.abort_rids = plan.abort_rids
+                self.metrics.prefill_legs.inc(exchange.handshake or "", "skipped",
+                                              plan.skip_reason)
+            abort_rids = plan.abort_rids
             response = await self._decode_response(exchange, responder, plan)
             del plan
-            await self._copy_answer(exchange, responder, response)
+            await self._copy_answer(exchange, responder, response, abort_rids)
         except Failure as failure:
-            await self.answer_failure(exchange, responder, failure)
+            await answer_failure(self.config, self.metrics, exchange, responder, failure)
+        finally:
+            if exchange.prefill_leg is PrefillLeg.NOT_SENT:
+                self._report_prefill_ended(exchange)  # none was sent, and none will be
+
+    def _report_prefill_ended(self, exchange: Exchange) -> None:
+        if exchange.prefill_leg is not PrefillLeg.ENDED:
+            exchange.prefill_leg = PrefillLeg.ENDED
+            self.prefill_ended(exchange)
 
     async def _decode_response(self, exchange: Exchange, responder: ResponseWriter,
                                plan: Plan) -> UpstreamResponse:
@@ -111,10 +132,10 @@ class Dispatcher:
         body = plan.decode_body
         if plan.prefill_failure is not None:
             # The prefill leg could not even be sent (no endpoint, no bootstrap map).
-            self.metrics.prefill_legs.inc(plan.handshake, "error")
+            self.metrics.prefill_legs.inc(exchange.handshake or "", "error")
             logs.warn(log, f"prefill leg not sent: {plan.prefill_failure}", exchange.request_id,
                       backend=plan.prefill.label if plan.prefill is not None else None,
-                      handshake=plan.handshake)
+                      handshake=exchange.handshake)
             body = self._without_kv(exchange, plan, plan.prefill_failure)
         return await self._open_decode_bounded(exchange, responder, plan.method,
                                                plan.decode_target, body)
@@ -167,20 +188,20 @@ class Dispatcher:
                     # Committed: decode reads the KV prefill made.
                     exchange.prefill_cached_tokens = result.cached_tokens
                 else:
-                    self._drop_decode(exchange, decode_task)
+                    self._drop_decode(exchange, decode_task, plan.abort_rids)
                     body = self._without_kv(exchange, plan, result)
                     exchange.decode_started = None  # a new decode leg, its own timeout
                     response = await self._open_decode_bounded(
                         exchange, responder, plan.method, plan.decode_target, body)
         except TimeoutError:
-            self._drop_decode(exchange, decode_task)
+            self._drop_decode(exchange, decode_task, plan.abort_rids)
             raise DecodeTimedOut() from None
         except BaseException:
             # The client left, or decode failed: abort decode at once; a prefill
             # still running is left to finish, unless it can be aborted by rid.
-            self._drop_decode(exchange, decode_task)
-            if not prefill_task.done() and not prefill_closed:
-                self._abort(exchange, plan.prefill, "prefill")
+            self._drop_decode(exchange, decode_task, plan.abort_rids)
+            if not prefill_task.done() and not prefill_closed and plan.prefill is not None:
+                self._abort(exchange, plan.prefill, "prefill", plan.abort_rids)
             raise
         return response
 
@@ -190,18 +211,18 @@ class Dispatcher:
         decode up to SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s) is aborted by
         rid and closed; a vLLM one is left to finish, as aborting it
         mid-transfer can leak KV blocks."""
-        if not plan.abort_rids:
+        if not plan.abort_rids or plan.prefill is None:
             return False
-        self._abort(exchange, plan.prefill, "prefill")
+        self._abort(exchange, plan.prefill, "prefill", plan.abort_rids)
         prefill_task.cancel()  # its connection is discarded: SGLang notices that too
         return True
 
-    def _drop_decode(self, exchange: Exchange,
-                     task: asyncio.Task[UpstreamResponse]) -> None:
+    def _drop_decode(self, exchange: Exchange, task: asyncio.Task[UpstreamResponse],
+                     abort_rids: tuple[str, ...]) -> None:
         """Close a decode leg that will not be relayed, and abort it by rid (SGLang)."""
         drop_decode(task)
         if exchange.decode_endpoint is not None:
-            self._abort(exchange, exchange.decode_endpoint, "decode")
+            self._abort(exchange, exchange.decode_endpoint, "decode", abort_rids)
 
     def _without_kv(self, exchange: Exchange, plan: Plan,
                     failed: PrefillResult | str) -> bytes:
@@ -216,13 +237,13 @@ class Dispatcher:
             detail = failed.detail
         else:
             detail = failed
-        if self.config.on_prefill_failure == "error" or plan.handshake == "sglang":
+        if self.config.on_prefill_failure == "error" or exchange.handshake == "sglang":
             # An SGLang decode in disaggregation mode refuses a request without a
             # bootstrap room: it cannot recompute the prompt, whatever the policy.
             raise PrefillFailed(detail)
-        self.metrics.prefill_legs.inc(plan.handshake, "recompute")
+        self.metrics.prefill_legs.inc(exchange.handshake or "", "recompute")
         logs.warn(log, "decode will recompute the prompt without transferred KV",
-                  exchange.request_id, handshake=plan.handshake)
+                  exchange.request_id, handshake=exchange.handshake)
         return plan.fallback_body()
 
     # -- decode
@@ -270,10 +291,10 @@ class Dispatcher:
                 raise DecodeFailed(UpstreamTimeout(
                     f"{endpoint.label} sent no response head within "
                     f"{self.config.decode_first_byte_timeout:g}s", endpoint)) from None
+            except UpstreamUntrusted as exc:
+                raise NoDecode(exc.detail) from None
             except UpstreamError as exc:
-                if exc.reason == "untrusted":
-                    raise NoDecode(exc.detail) from None
-                if exc.reason != "unreachable":
+                if not isinstance(exc, UpstreamUnreachable):
                     raise DecodeFailed(exc) from None
                 self.decode.cool_down(endpoint)
                 logs.warn(log, f"decode backend unreachable: {exc.detail}",
@@ -304,7 +325,7 @@ class Dispatcher:
         return deadline(max(0.0, limit - (time.perf_counter() - exchange.decode_started)))
 
     async def _copy_answer(self, exchange: Exchange, responder: ResponseWriter,
-                           response: UpstreamResponse) -> None:
+                           response: UpstreamResponse, abort_rids: tuple[str, ...]) -> None:
         """Relay an opened decode response within the decode timeout; always close it."""
         try:
             async with self._decode_deadline(exchange):
@@ -314,7 +335,7 @@ class Dispatcher:
         except (asyncio.CancelledError, ClientGone) as exc:
             if isinstance(exc, ClientGone) or responder.client_gone:
                 self.metrics.decode_legs.inc("client-gone")
-                self._abort(exchange, response.endpoint, "decode")
+                self._abort(exchange, response.endpoint, "decode", abort_rids)
             raise
         finally:
             await response.aclose()
@@ -378,63 +399,17 @@ class Dispatcher:
         await responder.end()
         self.metrics.decode_legs.inc("ok")
 
-    # -- the one place a failure becomes a metric, a log line and an answer
-
-    async def answer_failure(self, exchange: Exchange, responder: ResponseWriter,
-                             failure: Failure) -> None:
-        """Count, log and answer one failure; cut the response if it had started."""
-        config = self.config
-        request_id = exchange.request_id
-        anthropic = speaks_anthropic(exchange.request.path)  # the surface's error shape
-        if isinstance(failure, NoDecode):
-            self.metrics.decode_legs.inc("unreachable")
-            logs.warn(log, f"no decode backend: {failure.detail}", request_id)
-            status, body = config.no_decode_status, answers.no_decode_backend(
-                config.no_decode_message)
-        elif isinstance(failure, DecodeFailed):
-            error = failure.error
-            self.metrics.decode_legs.inc("unreachable" if error.reason == "unreachable"
-                                         else "error")
-            logs.warn(log, f"decode backend failed before answering ({error.reason}): "
-                      f"{error.detail}", request_id,
-                      backend=error.endpoint.label if error.endpoint else None)
-            status = 504 if error.reason == "timeout" else 502
-            body = answers.decode_failed(status, anthropic)
-        elif isinstance(failure, DecodeTimedOut):
-            self.metrics.decode_legs.inc("timeout")
-            logs.warn(log, f"decode did not finish within {config.decode_timeout:g}s",
-                      request_id, backend=exchange.decode_backend)
-            status, body = 504, answers.decode_timed_out(anthropic)
-        elif isinstance(failure, PrefillRefused):
-            logs.warn(log, f"{failure}: its answer is relayed, decode is not asked",
-                      request_id, backend=exchange.prefill_backend)
-            status = failure.status
-            body = failure.body or answers.prefill_refused(status, anthropic)
-        elif isinstance(failure, PrefillFailed):
-            # Counted and logged where the prefill leg failed.
-            status, body = 502, answers.prefill_failed(failure.detail, anthropic)
-        elif isinstance(failure, Truncated):
-            self.metrics.decode_legs.inc("truncated")
-            logs.warn(log, f"decode broke off its response after {responder.bytes_out} bytes; "
-                      f"the client's response is cut: {failure.detail}", request_id,
-                      backend=failure.backend)
-            raise AbortResponse()
-        else:  # pragma: no cover - every Failure is listed above
-            raise failure
-        if responder.started:
-            raise AbortResponse()  # a started response is cut, never completed
-        await responder.send_bytes(status, body)
-
     # -- SGLang aborts: no leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT
 
-    def _abort(self, exchange: Exchange, endpoint: Endpoint, role: str) -> None:
-        """Ask ``endpoint`` to abort this request's leg by its rids (SGLang only),
+    def _abort(self, exchange: Exchange, endpoint: Endpoint, role: str,
+               rids: tuple[str, ...]) -> None:
+        """Ask ``endpoint`` to abort this request's leg by the plan's rids (SGLang only),
         with the legs' own authorization (SGLang's --api-key guards that path)."""
-        if not exchange.abort_rids:
+        if not rids:
             return
         if role == "decode":
             exchange.decode_endpoint = None  # once per leg
-        self.background.spawn(send_abort(self.upstream, endpoint, exchange.abort_rids, role,
+        self.background.spawn(send_abort(self.upstream, endpoint, rids, role,
                                          exchange.request_id, exchange.upstream_headers))
 
     # -- prefill
@@ -448,18 +423,23 @@ class Dispatcher:
         cached bootstrap map (a restarted prefill has new engine ids).
         """
         handshake = exchange.handshake or "relay"
-        endpoint: Endpoint = plan.prefill
+        endpoint = plan.prefill
+        assert endpoint is not None  # only a two-leg plan has a prefill leg
         started = time.perf_counter()
         exchange.prefill_backend = endpoint.label
+        exchange.prefill_leg = PrefillLeg.RUNNING
         loads = self.engine_loads
         extra = plan.prefill_headers if loads is None else [*plan.prefill_headers, ASK_ORCA]
-        result, status = await send_prefill_leg(
-            self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
-            plan.prefill_body, extra, want_kv, self.config.prefill_timeout,
-            plan.surface if self.config.rewrite_cached_tokens else None,
-            None if loads is None else lambda report: loads.orca(endpoint, report))
-        if plan.on_prefill_done is not None:
-            plan.on_prefill_done()  # its outstanding prompt bytes no longer load it
+        try:
+            result, status = await send_prefill_leg(
+                self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
+                plan.prefill_body, extra, want_kv, self.config.prefill_timeout,
+                exchange.surface if self.config.rewrite_cached_tokens else None,
+                None if loads is None else lambda report: loads.orca(endpoint, report))
+        finally:
+            # Now, not when a stream that may last minutes ends: its prompt no
+            # longer loads the prefill endpoint.
+            self._report_prefill_ended(exchange)
         if result.outcome == "unreachable":
             self.prefill.cool_down(endpoint)
             result.outcome = "error"

@@ -6,11 +6,23 @@ access line, the metrics and the spans. It holds no body and no I/O object.
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..downstream.messages import ClientRequest, Headers
+from .._types import Headers
+from ..downstream.messages import ClientRequest
+from ..routing.prefill import PrefillLease
+from ..upstream.endpoint import Endpoint
+
+
+class PrefillLeg(enum.Enum):
+    """Where the request's prefill leg is; dispatch reports its end once."""
+
+    NOT_SENT = "not sent"  # none yet (decode only, skipped, or still planning)
+    RUNNING = "running"
+    ENDED = "ended"  # reported: the leg is over, or none will be sent
 
 
 @dataclass(slots=True, eq=False)
@@ -31,12 +43,13 @@ class Exchange:
     prefill_backend: str | None = None
     wants_stream: bool = False
     skip_reason: str | None = None  # why the prefill leg was skipped, when it was
-    abort_rids: tuple[str, ...] = ()  # SGLang: the rids both legs are served under
-    decode_endpoint: Any = None  # where the decode leg went (an upstream Endpoint)
-    decode_preferred: Any = None  # the decode cache-aware routing chose, if any
+    decode_endpoint: Endpoint | None = None  # where the decode leg went
+    decode_preferred: Endpoint | None = None  # the decode cache-aware routing chose, if any
     surface: str | None = None  # the generation surface (routes.CHAT, ...), if one
     model: str | None = None  # the model a generation request names (routes its legs)
     prefill_cached_tokens: int | None = None  # the prefill's figure, for decode's usage
+    prefill_lease: PrefillLease | None = None  # the prefill choice, released at the leg's end
+    prefill_leg: PrefillLeg = PrefillLeg.NOT_SENT
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000.0

@@ -1,7 +1,7 @@
 """The failures of a leg, and what a prefill answer means: pure data, no I/O.
 
-dispatch.answer_failure() is the one place each Failure becomes a metric, a
-log line and the client's answer.
+failure_answers.answer_failure() is the one place each Failure becomes a
+metric, a log line and the client's answer.
 """
 
 from __future__ import annotations

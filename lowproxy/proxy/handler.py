@@ -20,8 +20,8 @@ from ..config.settings import Config
 from ..downstream.messages import ClientRequest, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.client_body import BodyError, parse_client_body, wants_stream, without_client_kv
-from ..handshakes.legs import Plan, decode_only_plan, serialise
-from ..handshakes.planner import plan_generation
+from ..handshakes.legs import decode_only_plan, serialise
+from ..handshakes.planner import Generation, plan_generation
 from ..handshakes.rules import decode_would_reject
 from ..headers import forwarded_request_headers, header_value
 from ..ids import Ids
@@ -30,15 +30,13 @@ from ..observability import logs
 from ..observability.metrics import Metrics
 from ..routes import (
     ADMIN,
-    CHAT,
-    GENERATION,
     HEALTH,
     MESSAGES,
     METRICS,
     READY,
     classify,
+    route_and_surface,
     speaks_anthropic,
-    surface_of,
 )
 from ..routing.affinity import PromptFacts, prompt_facts
 from ..routing.blocks import NO_BLOCKS, PromptBlocks
@@ -48,7 +46,8 @@ from ..routing.groups import BackendGroup, PrefillTargetAllowList
 from ..routing.health import HealthMonitor
 from ..routing.prefill import PrefillChooser, TargetRefused
 from ..tls import TrustStore
-from ..upstream.pool import Endpoint, Resolver, Upstream, system_resolver
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Resolver, Upstream, system_resolver
 from .admin import Instances
 from .dispatch import Dispatcher
 from .exchange import Exchange
@@ -89,7 +88,8 @@ class Proxy:
                                         on_query=self._bootstrap_observed)
         self.tracing = Tracing.create(config.otel)
         self.dispatch = Dispatcher(config, self.upstream, self.prefill, self.decode,
-                                   self.bootstrap, self.metrics, self.tracing)
+                                   self.bootstrap, self.metrics, self.tracing,
+                                   prefill_ended=self._prefill_ended)
         if self.router is not None:
             self.dispatch.engine_loads = self.engine_loads  # prefill legs ask for ORCA
         self.resolver = resolver or system_resolver
@@ -154,7 +154,7 @@ class Proxy:
     # -- the handler
 
     async def handle(self, request: ClientRequest, responder: ResponseWriter) -> None:
-        route = classify(request.method, request.path, self.sglang)
+        route, surface = route_and_surface(request.method, request.path, self.sglang)
         if route == HEALTH:
             await self._local(responder, route, 200, answers.HEALTH_OK)
             return
@@ -185,8 +185,8 @@ class Proxy:
         try:
             if route == ADMIN:
                 await self.instances.handle(request, responder)
-            elif route == GENERATION:
-                await self._generation(exchange, responder)
+            elif surface is not None:  # route GENERATION
+                await self._generation(exchange, responder, surface)
             else:
                 await self._passthrough(exchange, responder)
         finally:
@@ -268,7 +268,8 @@ class Proxy:
 
     # -- requests that reach backends
 
-    async def _generation(self, exchange: Exchange, responder: ResponseWriter) -> None:
+    async def _generation(self, exchange: Exchange, responder: ResponseWriter,
+                          surface: str) -> None:
         request = exchange.request
         try:
             body = without_client_kv(parse_client_body(request.body))
@@ -276,7 +277,6 @@ class Proxy:
             await responder.send_bytes(400, answers.invalid_body(str(exc)))
             return
         request.body = b""  # parsed: a long stream must not keep the raw prompt too
-        surface = surface_of(request.path, self.sglang) or CHAT
         rejected = decode_would_reject(body, surface)
         if rejected is not None:
             # Decode would reject it after prefill computed a KV nobody reads.
@@ -299,7 +299,7 @@ class Proxy:
             await responder.send_bytes(refused.status, answers.prefill_target_refused(
                 refused.status, refused.message, surface == MESSAGES))
             return
-        responder.watch_client()
+        request.watch_client()
         exchange.handshake = self.config.kv_protocol
         exchange.surface = surface
         facts = self._prompt_facts(surface, body)
@@ -307,19 +307,25 @@ class Proxy:
         blocks = NO_BLOCKS if router is None else router.blocks(surface, body)
         decode_cached = router is not None and self._decode_first(exchange, router, blocks,
                                                                   model, named)
-        lease = self.prefill_choice.lease(named, facts, model, blocks)
-        planning = plan_generation(self.config, self.bootstrap, self.ids, surface, request.target,
-                                   body, lease, lease.configured, facts.size, lease.release,
-                                   decode_cached)
+        exchange.prefill_lease = self.prefill_choice.lease(named, facts, model, blocks)
+        planning = plan_generation(self.config, self.bootstrap, self.ids,
+                                   Generation(surface, request.target, request.path_bytes, body,
+                                              facts.size, decode_cached),
+                                   exchange.prefill_lease)
         del body  # the plan holds it until decode's response is open, and no longer
         exchange.model = model  # decode's pick: endpoints serving the model
         try:
             await self.dispatch.run(exchange, responder, planning)
         finally:
-            lease.release()
             if router is not None and exchange.decode_endpoint is not None \
                     and exchange.first_byte_ms is not None:
                 router.served_decode(exchange.decode_endpoint, blocks)
+
+    @staticmethod
+    def _prefill_ended(exchange: Exchange) -> None:
+        """Dispatch says the prefill leg is over (or none was sent): its load goes."""
+        if exchange.prefill_lease is not None:
+            exchange.prefill_lease.release()
 
     def _decode_first(self, exchange: Exchange, router: CacheRouter, blocks: PromptBlocks,
                       model: str | None, named: Endpoint | None) -> bool:
@@ -355,10 +361,9 @@ class Proxy:
         elif request.body:
             body = request.body
         request.body = b""
-        responder.watch_client()
+        request.watch_client()
         await self.dispatch.run(exchange, responder,
-                                _ready_plan(decode_only_plan(request.method, request.target,
-                                                             body)))
+                                decode_only_plan(request.method, request.target, body))
 
     # -- metrics read at scrape time
 
@@ -383,10 +388,6 @@ class Proxy:
         metrics.endpoint_health.read = self.health.health_states
         metrics.endpoint_in_flight.read = self.health.in_flight
         metrics.endpoint_engine_load.read = self.engine_loads.gauges
-
-
-async def _ready_plan(plan: Plan) -> Plan:
-    return plan
 
 
 def _ms(value: float | None) -> float | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
-from ..upstream.pool import Endpoint
+from ..upstream.endpoint import Endpoint
 from .blocks import TOKEN_BYTES, PromptBlocks, prompt_blocks
 from .cache_aware import PrefixIndex, choose, label_salt, ranked
 from .engine_load import EngineLoads

@@ -1,6 +1,6 @@
 """What the engines themselves report of their load, so every replica sees the same.
 
-Two sources (PROTOCOL.md, "What the engines tell about their load"):
+Two sources, both vLLM 0.33's own:
 
 - the ORCA report vLLM puts on a non-streamed answer when asked
   (``endpoint-load-metrics-format: TEXT``): every prefill leg asks, and its
@@ -26,7 +26,8 @@ import time
 from typing import Any, Iterable
 
 from ..timeouts import deadline
-from ..upstream.pool import Endpoint, Upstream, UpstreamError
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Upstream, UpstreamError
 from .groups import BackendGroup
 
 log = logging.getLogger("lowproxy.engine_load")

@@ -25,7 +25,8 @@ from typing import Callable, Iterable
 
 from ..config.settings import EndpointSpec, split_host_port
 from ..observability.metrics import Counter
-from ..upstream.pool import Endpoint, Resolver, Upstream
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Resolver, Upstream
 
 log = logging.getLogger("lowproxy.backends")
 

@@ -6,7 +6,7 @@ Every PD_PROXY_HEALTH_INTERVAL_SECONDS, each prefill and decode endpoint gets
 and each bounded by PD_PROXY_HEALTH_TIMEOUT_SECONDS. Each endpoint is checked
 in a task of its own, so one that hangs delays nobody else's check, and a new
 check of an endpoint starts only once its last one has ended. What is learned
-goes to the endpoint's BackendGroup (backends.py), which the picks read.
+goes to the endpoint's BackendGroup (groups.py), which the picks read.
 
 A model list comes from vLLM's ``{"data": [{"id", "max_model_len"}, ...]}``
 (LoRA adapters are entries of their own). An endpoint that never answered one
@@ -30,7 +30,8 @@ from .. import answers
 from ..config.settings import Config
 from ..keys import BackendKey
 from ..timeouts import deadline
-from ..upstream.pool import Endpoint, Upstream, UpstreamError
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Upstream, UpstreamError
 from .groups import BackendGroup, parse_models
 
 log = logging.getLogger("lowproxy.health")

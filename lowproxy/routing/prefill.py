@@ -15,8 +15,8 @@ that serve the request's model and are not cooling down:
 - ``round-robin``: in turn, as lowproxy did before.
 
 Load is outstanding prompt bytes (a 100k-token prompt is not one unit),
-counted from the choice until the request ends: the proxy releases it then
-(dispatch does not report the end of the prefill leg itself). Each choice is
+counted from the choice until the prefill leg ends: dispatch reports that once
+(also when no leg was sent), and the proxy releases the request's lease then. Each choice is
 counted in lowproxy_prefill_choice_total by its reason: header, affinity (the
 key's home endpoint), load (bounded loads sent the key on, no key, or the
 least-loaded policy), only (one usable endpoint: nothing was chosen) or
@@ -31,7 +31,8 @@ from collections import OrderedDict
 
 from ..config.settings import EndpointSpec, split_host_port
 from ..observability.metrics import Counter
-from ..upstream.pool import Endpoint, Upstream
+from ..upstream.endpoint import Endpoint
+from ..upstream.pool import Upstream
 from .affinity import PromptFacts, Ring, choose_bounded, stable_hash
 from .blocks import NO_BLOCKS, PromptBlocks
 from .cache_router import CacheRouter
@@ -178,7 +179,8 @@ class PrefillChooser:
 
 
 class PrefillLease:
-    """One request's prefill choice, made when the planner asks, released when it ends."""
+    """One request's prefill choice, made when the planner asks, released (once) when
+    dispatch reports its prefill leg ended."""
 
     __slots__ = ("chooser", "named", "facts", "model", "endpoint", "cost", "blocks", "queued")
 

@@ -6,8 +6,9 @@ internals it relies on; ``chunked`` decodes a chunked body while relaying it;
 ``errors`` is the family of upstream failures.
 """
 
+from .endpoint import Endpoint
 from .errors import UpstreamError, UpstreamTimeout
-from .pool import Endpoint, Resolver, Upstream, UpstreamResponse, system_resolver
+from .pool import Resolver, Upstream, UpstreamResponse, system_resolver
 
 __all__ = ["Endpoint", "Resolver", "Upstream", "UpstreamError", "UpstreamResponse",
            "UpstreamTimeout", "system_resolver"]

@@ -1,14 +1,18 @@
 """The UpstreamError family: how an exchange with a backend can fail.
 
-A leaf (it imports no lowproxy module), so that anything may catch these
-without importing the pool. Callers choose the client's answer and the metric
-label by ``reason``, a stable string; the class says the same to ``except``,
-as httpcore's own exception family does. Only upstream.py raises them.
+A leaf at run time (it imports no lowproxy module), so that anything may catch
+these without importing the pool. Callers tell failures apart by class, as with
+httpcore's own exception family; ``reason`` is the same said as a stable word,
+for log lines. The pool (pool.py) raises them; dispatch also names its own
+decode first-byte timeout with an UpstreamTimeout.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # only a type here: at run time this module imports nothing
+    from .endpoint import Endpoint
 
 
 class UpstreamError(Exception):
@@ -20,13 +24,13 @@ class UpstreamError(Exception):
     broke HTTP or hung up). ``request_sent`` says whether bytes of the request
     were handed to the connection: when False the backend cannot have acted on
     it, and it may go to another endpoint without running twice. ``endpoint``
-    is the upstream Endpoint (typed loosely: this module is a leaf).
+    is the Endpoint the exchange was with.
     """
 
     reason = "protocol"
     request_sent = True
 
-    def __init__(self, detail: str, endpoint: Any = None, *,
+    def __init__(self, detail: str, endpoint: Endpoint | None = None, *,
                  request_sent: bool | None = None) -> None:
         super().__init__(detail)
         self.detail = detail

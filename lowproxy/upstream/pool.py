@@ -9,7 +9,7 @@ requests: a connection that lived for ever would pin its share of traffic to
 one pod. A rotated CA file retires connections made under the old trust.
 
 httpcore is used below its pool: ``AsyncHTTP11Connection`` does the HTTP/1.1
-exchange over our asyncio-native stream (netstream.py), and this module owns
+exchange over our asyncio-native stream (stream.py), and this module owns
 reuse, retirement and balancing, which httpcore's pool cannot express.
 """
 
@@ -25,9 +25,11 @@ from typing import Protocol, cast
 
 import httpcore
 
-from ..config.settings import Config, EndpointSpec
+from ..config.settings import Config
+from ..headers import body_framing
 from ..tls import TrustStore, TrustUnavailable
 from .chunked import ChunkedError, ChunkedRelay, Deliver
+from .endpoint import Endpoint, PooledConnection
 from .errors import (
     UpstreamClosed,
     UpstreamError,
@@ -37,7 +39,7 @@ from .errors import (
     UpstreamUnreachable,
     UpstreamUntrusted,
 )
-from .stream import AsyncioBackend, AsyncioStream, H11Client, Informational, http11_connection
+from .stream import AsyncioBackend, AsyncioStream, Informational, http11_connection
 
 __all__ = ["Endpoint", "Upstream", "UpstreamResponse", "UpstreamError", "UpstreamClosed",
            "UpstreamNotRetried", "UpstreamProtocolError", "UpstreamTimeout",
@@ -64,55 +66,6 @@ class _BodyStream(Protocol):
     async def aclose(self) -> None: ...
 
 
-class Endpoint:
-    """One address to send requests to, with its pool and its load figures."""
-
-    __slots__ = ("spec", "label", "connect_host", "port", "tls", "server_hostname",
-                 "origin", "host_header", "base_path", "idle", "in_flight", "open",
-                 "cooldown_until", "bootstrap_host")
-
-    def __init__(self, spec: EndpointSpec, address: str | None = None) -> None:
-        self.spec = spec
-        self.connect_host = address or spec.host
-        self.port = spec.port
-        self.tls = spec.tls
-        # TLS verifies the configured name, never the address it resolved to.
-        self.server_hostname = spec.host
-        shown = f"[{self.connect_host}]" if ":" in self.connect_host else self.connect_host
-        self.label = f"{spec.scheme}://{shown}:{spec.port}"
-        self.origin = httpcore.Origin(spec.scheme.encode(), self.connect_host.encode(), spec.port)
-        name = f"[{spec.host}]" if ":" in spec.host else spec.host
-        self.host_header = f"{name}:{spec.port}".encode()
-        self.base_path = spec.base_path.encode()
-        # Where a KV bootstrap server of this endpoint listens: its address.
-        self.bootstrap_host = self.connect_host
-        self.idle: list[_Pooled] = []
-        self.in_flight = 0
-        self.open = 0
-        self.cooldown_until = 0.0
-
-    def usable(self, now: float) -> bool:
-        return now >= self.cooldown_until
-
-    def __repr__(self) -> str:
-        return f"<Endpoint {self.label} in_flight={self.in_flight} idle={len(self.idle)}>"
-
-
-class _Pooled:
-    """One upstream connection and what decides its retirement."""
-
-    __slots__ = ("http", "stream", "h11", "created", "generation", "requests")
-
-    def __init__(self, http: httpcore.AsyncHTTP11Connection, stream: AsyncioStream,
-                 h11_state: H11Client, generation: int) -> None:
-        self.http = http
-        self.stream: AsyncioStream | None = stream
-        self.h11 = h11_state
-        self.created = time.monotonic()
-        self.generation = generation
-        self.requests = 0
-
-
 class UpstreamResponse:
     """A backend's response: status and headers now, the body as it arrives.
 
@@ -125,7 +78,7 @@ class UpstreamResponse:
     __slots__ = ("status", "headers", "endpoint", "_pooled", "_body", "_upstream",
                  "_complete", "_closed", "_chunked")
 
-    def __init__(self, upstream: Upstream, endpoint: Endpoint, pooled: _Pooled,
+    def __init__(self, upstream: Upstream, endpoint: Endpoint, pooled: PooledConnection,
                  response: httpcore.Response, method: bytes) -> None:
         self.status = response.status
         headers: list[tuple[bytes, bytes]] = response.headers
@@ -135,11 +88,10 @@ class UpstreamResponse:
         self._body = cast(_BodyStream, response.stream)
         self._complete = False
         self._closed = False
-        framed_by_te = any(name.lower() == b"transfer-encoding" for name, _ in headers)
+        _, framed_by_te = body_framing(headers)
         if framed_by_te:
-            # Transfer-Encoding beats Content-Length (RFC 9112 section 6.3, as h11
-            # frames it): a length sent beside it describes nothing and must not
-            # reach anyone who might frame the relayed body by it.
+            # A length beside Transfer-Encoding describes nothing (body_framing)
+            # and must not reach anyone who might frame the relayed body by it.
             headers = [(n, v) for n, v in headers if n.lower() != b"content-length"]
         self.headers = headers
         # A chunked body (a stream) is decoded here, not by h11: see _relay_chunked.
@@ -303,7 +255,7 @@ class Upstream:
             endpoint.in_flight -= 1
             raise
 
-    async def _send(self, endpoint: Endpoint, pooled: _Pooled, request: httpcore.Request,
+    async def _send(self, endpoint: Endpoint, pooled: PooledConnection, request: httpcore.Request,
                     on_informational: Informational | None) -> UpstreamResponse:
         """One request on one connection, up to the final head; closes it on failure."""
         stream = pooled.stream
@@ -338,7 +290,7 @@ class Upstream:
 
     # -- the pool
 
-    def _checkout(self, endpoint: Endpoint) -> _Pooled | None:
+    def _checkout(self, endpoint: Endpoint) -> PooledConnection | None:
         if not endpoint.idle:
             return None
         generation = self.trust.current_generation() if endpoint.tls else 0
@@ -356,7 +308,7 @@ class Upstream:
             return pooled
         return None
 
-    async def _connect(self, endpoint: Endpoint) -> _Pooled:
+    async def _connect(self, endpoint: Endpoint) -> PooledConnection:
         ssl_context = None
         generation = 0
         if endpoint.tls:
@@ -373,9 +325,10 @@ class Upstream:
             raise UpstreamUnreachable(str(exc), endpoint) from None
         http, h11_state = http11_connection(endpoint.origin, stream, self.config.upstream_idle)
         endpoint.open += 1
-        return _Pooled(http, stream, h11_state, generation)
+        return PooledConnection(http, stream, h11_state, generation)
 
-    async def _finish(self, endpoint: Endpoint, pooled: _Pooled, body: _BodyStream) -> None:
+    async def _finish(self, endpoint: Endpoint, pooled: PooledConnection,
+                      body: _BodyStream) -> None:
         """A response read to its end: pool its connection, or retire it."""
         endpoint.in_flight -= 1
         http = pooled.http
@@ -401,14 +354,14 @@ class Upstream:
                 return
         self._discard(endpoint, pooled)
 
-    def _discard(self, endpoint: Endpoint, pooled: _Pooled) -> None:
+    def _discard(self, endpoint: Endpoint, pooled: PooledConnection) -> None:
         if pooled.stream is None:
             return
         pooled.stream.close()
         pooled.stream = None
         endpoint.open -= 1
 
-    def _drop_idle(self, endpoint: Endpoint, pooled: _Pooled) -> None:
+    def _drop_idle(self, endpoint: Endpoint, pooled: PooledConnection) -> None:
         """A pooled connection heard from while idle (see _finish)."""
         try:
             endpoint.idle.remove(pooled)

@@ -9,7 +9,7 @@ TCP instead of growing memory.
 
 http11_connection() builds the httpcore connection over such a stream, with
 the two private parts of httpcore replaced (a lock that never waits, an h11
-state that reports 1xx responses): tests/test_httpcore_fence.py pins both.
+state that reports 1xx responses): tests/upstream/test_httpcore_fence.py pins both.
 """
 
 from __future__ import annotations
@@ -389,7 +389,7 @@ def http11_connection(origin: httpcore.Origin, stream: AsyncioStream,
                       ) -> tuple[httpcore.AsyncHTTP11Connection, H11Client]:
     """httpcore's HTTP/1.1 connection over ``stream``, and the h11 state it parses with."""
     http = httpcore.AsyncHTTP11Connection(origin, stream, keepalive_expiry=keepalive_expiry)
-    # Private httpcore attributes, pinned by tests/test_httpcore_fence.py.
+    # Private httpcore attributes, pinned by tests/upstream/test_httpcore_fence.py.
     http._state_lock = _EXCLUSIVE  # type: ignore[assignment]
     state = http._h11_state = H11Client()
     return http, state

@@ -1,0 +1,65 @@
+"""RFC 8259 JSON, strictly: the one parser for a client's body and a backend's answers.
+
+Python's json module takes NaN, Infinity and numbers that overflow to infinity
+(json.dumps would then forward them as bare tokens no strict parser reads), and
+nests up to about the interpreter's recursion limit, past which json.dumps of a
+leg, called from deeper in the stack, would raise RecursionError. Here both are
+refused. Pure, no I/O; the callers word the refusal for whoever gets it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+# 128 is serde_json's default recursion limit; real requests (messages, tool JSON
+# schemas) and answers (NIXL's remote_block_ids, a list of lists) nest far less,
+# and json.dumps of that depth always succeeds far from the interpreter's limit.
+MAX_DEPTH = 128
+
+
+class NotJson(ValueError):
+    """Not RFC 8259 JSON (or not UTF-8)."""
+
+
+class TooDeep(ValueError):
+    """Containers nested deeper than MAX_DEPTH."""
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    number = float(text)
+    if math.isinf(number):  # 1e999 reads as inf: no JSON can carry it on (RFC 8259 6)
+        raise ValueError("number out of range")
+    return number
+
+
+def loads(raw: bytes) -> Any:
+    """The JSON value in ``raw``; NotJson or TooDeep if it is not one to pass on."""
+    try:
+        value = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    except RecursionError:
+        raise TooDeep() from None
+    except ValueError:  # UnicodeDecodeError is a ValueError
+        raise NotJson() from None
+    # Depth needs at least MAX_DEPTH opening brackets: counting them is a C-speed
+    # scan, so a normal body never pays for the walk.
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nested_deeper_than(value, MAX_DEPTH):
+        raise TooDeep()
+    return value
+
+
+def nested_deeper_than(value: Any, limit: int) -> bool:
+    """Whether containers nest deeper than ``limit``; iterative, so any depth is safe."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        container, depth = stack.pop()
+        if depth > limit:
+            return True
+        items = container.values() if isinstance(container, dict) else container
+        stack.extend((item, depth + 1) for item in items if isinstance(item, (dict, list)))
+    return False

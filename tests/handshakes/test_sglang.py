@@ -1,0 +1,191 @@
+"""SGLang PD end to end: one body to both legs plus the bootstrap fields, both legs at once.
+
+The demo decode waits for the prefill of its bootstrap_room (shared KvRegistry),
+so a room that differs between the legs, or a prefill that never runs, shows.
+"""
+
+from __future__ import annotations
+
+from helpers import (
+    CHAT,
+    chat,
+    config_for,
+    leave_after_both_legs,
+    legs,
+    pd_setup,
+    running_proxy,
+    tagged_chats,
+    wait_until,
+)
+from lowproxy.demo import DemoBackend, KvRegistry, start_pair
+
+BOOTSTRAP_FIELDS = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+async def test_same_body_to_both_legs_plus_bootstrap_fields():
+    prefill, decode = await start_pair()
+    try:
+        config = config_for(prefill.url, decode.url, kv_protocol="sglang")
+        async with running_proxy(config) as proxy:
+            client = chat(stream=True, stream_options={"include_usage": True}, min_tokens=2,
+                          max_completion_tokens=5, kv_transfer_params={"remote_host": "evil"})
+            reply = await proxy.request("POST", CHAT, client, headers=[("x-request-id", "sg-1")])
+            assert reply.status == 200 and reply.complete, reply.body
+            assert reply.body.endswith(b"data: [DONE]\n\n")
+            [pf], [dc] = legs(prefill, decode)
+            assert pf.body == dc.body  # the same body, room and rid included
+            assert pf.body["rid"].startswith("lowproxy-")  # the proxy's own, fixed width
+            room = pf.body["bootstrap_room"]
+            assert isinstance(room, int) and 0 <= room < 2 ** 63
+            assert pf.body["bootstrap_host"] == "127.0.0.1"
+            assert pf.body["bootstrap_port"] == 8998  # PD_PROXY_SGLANG_BOOTSTRAP_PORT default
+            # No token capping, no KV fields, nothing the client sent dropped but its KV params.
+            expected = {k: v for k, v in client.items() if k != "kv_transfer_params"}
+            assert {k: v for k, v in pf.body.items()
+                    if k not in (*BOOTSTRAP_FIELDS, "rid")} == expected
+            assert pf.header("x-data-parallel-rank") is None
+            assert pf.header("x-request-id") == dc.header("x-request-id") == b"sg-1"
+            assert prefill.bootstrap_queries == 0  # no Mooncake query for SGLang
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+async def test_bootstrap_port_setting_and_per_endpoint_override():
+    prefill, decode = await start_pair()
+    try:
+        config = config_for([f"{prefill.url}#bootstrap_port=9100"], decode.url,
+                            kv_protocol="sglang", sglang_bootstrap_port=9000)
+        async with running_proxy(config) as proxy:
+            assert (await proxy.request("POST", CHAT, chat())).status == 200
+        config = config_for([prefill.url], decode.url, kv_protocol="sglang",
+                            sglang_bootstrap_port=9000)
+        async with running_proxy(config) as proxy:
+            assert (await proxy.request("POST", CHAT, chat())).status == 200
+        pfs, dcs = legs(prefill, decode)
+        assert [p.body["bootstrap_port"] for p in pfs] == [9100, 9000]
+        assert [d.body["bootstrap_port"] for d in dcs] == [9100, 9000]
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+async def test_rooms_differ_between_requests_and_match_within_one():
+    async with pd_setup("sglang") as (proxy, prefill, decode):
+        await tagged_chats(proxy, 8)
+        pfs, dcs = legs(prefill, decode)
+        room_of = {p.header("x-request-id"): p.body["bootstrap_room"] for p in pfs}
+        assert len(set(room_of.values())) == 8
+        for dc in dcs:
+            assert dc.body["bootstrap_room"] == room_of[dc.header("x-request-id")]
+
+
+async def test_prefill_slower_than_decode_still_succeeds():
+    async with pd_setup("sglang") as (proxy, prefill, decode):
+        decode.stream_chunks = 5
+        prefill.faults.delay = 0.4
+        reply = await proxy.request("POST", CHAT, chat(stream=True))
+        assert reply.status == 200 and reply.complete
+        assert reply.body.count(b"data: {") == 5 and reply.body.endswith(b"data: [DONE]\n\n")
+        [dc] = decode.requests_to("/chat/completions")
+        assert "bootstrap_room" in dc.body
+        assert proxy.proxy.metrics.prefill_legs.get("sglang", "ok") == 1
+
+
+async def test_failed_prefill_is_a_502_and_closes_and_aborts_decode():
+    """Issue 19: the default recompute policy does not send decode alone under sglang
+    (an SGLang decode refuses a leg without a room: it cannot recompute)."""
+    async with pd_setup("sglang") as (proxy, prefill, decode):
+        prefill.faults.status = 503
+        reply = await proxy.request("POST", CHAT, chat(stream=True))
+        assert reply.status == 502 and reply.json()["error"]["type"] == "prefill_failed"
+        [only] = decode.requests_to("/chat/completions")
+        assert "bootstrap_room" in only.body
+        # The held decode leg is closed and aborted by the rid both legs carried.
+        rid = only.body["rid"]
+        assert rid.startswith("lowproxy-") and len(rid) == 41
+        await wait_until(lambda: decode.abort_requests == [rid], what="decode leg aborted")
+        assert proxy.proxy.metrics.prefill_legs.get("sglang", "recompute") == 0
+
+
+async def test_hung_prefill_with_decode_waiting_for_ever():
+    async with pd_setup("sglang", prefill_timeout=0.5) as (proxy, prefill, decode):
+        prefill.faults.hang = True
+        decode.kv_wait_timeout = None
+        reply = await proxy.request("POST", CHAT, chat(), timeout=10)
+        assert reply.status == 502 and reply.json()["error"]["type"] == "prefill_failed"
+        assert len(decode.requests_to("/chat/completions")) == 1
+        await wait_until(lambda: decode.abandoned == 1, what="decode leg closed")
+
+
+async def test_hung_prefill_with_error_policy():
+    async with pd_setup("sglang", prefill_timeout=0.5,
+                        on_prefill_failure="error") as (proxy, prefill, decode):
+        prefill.faults.hang = True
+        decode.kv_wait_timeout = None
+        reply = await proxy.request("POST", CHAT, chat(), timeout=10)
+        assert reply.status == 502 and reply.json()["error"]["type"] == "prefill_failed"
+        assert len(decode.requests_to("/chat/completions")) == 1
+        await wait_until(lambda: decode.abandoned == 1, what="decode leg closed")
+
+
+class _NoWait(KvRegistry):
+    """A decode that does not wait for the KV: it answers before prefill does."""
+
+    async def wait(self, key: str, timeout: float | None) -> str:
+        return "anything"
+
+
+async def _eager_decode_setup(**overrides):
+    prefill = await DemoBackend("prefill", sglang_pd=True).start()
+    decode = await DemoBackend("decode", registry=_NoWait(), sglang_pd=True).start(
+        bootstrap_port=None)
+    config = config_for(prefill.url, decode.url, kv_protocol="sglang", **overrides)
+    return prefill, decode, config
+
+
+async def test_decode_answer_is_held_until_prefill_succeeds():
+    """Decode's ready 200 is not relayed when prefill then fails: the commit point."""
+    prefill, decode, config = await _eager_decode_setup(on_prefill_failure="error")
+    try:
+        async with running_proxy(config) as proxy:
+            prefill.faults.delay = 0.3
+            prefill.faults.status = 500
+            reply = await proxy.request("POST", CHAT, chat())
+            assert reply.status == 502 and reply.json()["error"]["type"] == "prefill_failed"
+            [dc] = decode.requests_to("/chat/completions")
+            assert "bootstrap_room" in dc.body  # decode had been asked (and answered)
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+async def test_held_decode_answer_is_not_replaced_by_a_recompute():
+    """Under sglang the default recompute policy answers 502 too (issue 19)."""
+    prefill, decode, config = await _eager_decode_setup()
+    try:
+        async with running_proxy(config) as proxy:
+            prefill.faults.delay = 0.3
+            prefill.faults.status = 500
+            reply = await proxy.request("POST", CHAT, chat())
+            assert reply.status == 502, reply.body
+            [only] = decode.requests_to("/chat/completions")
+            assert "bootstrap_room" in only.body
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+async def test_client_going_away_aborts_decode():
+    async with pd_setup("sglang") as (proxy, prefill, decode):
+        prefill.faults.delay = 0.5
+        await leave_after_both_legs(proxy, prefill, decode, chat(stream=True), CHAT)
+        [dc], [pf] = decode.requests_to("/chat/completions"), prefill.requests_to(
+            "/chat/completions")
+        rid = dc.body["rid"]
+        # Issue 12: neither leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT: both
+        # are aborted by the proxy's own rid, and the prefill connection is not cut.
+        await wait_until(lambda: decode.abort_requests == [rid], what="decode aborted")
+        await wait_until(lambda: prefill.abort_requests == [rid], what="prefill aborted")
+        assert pf.body["rid"] == rid
+        assert prefill.abandoned == 0
