@@ -223,7 +223,7 @@ async def test_engine_metrics_are_read_used_and_a_silent_backend_tolerated():
 
 
 async def test_two_proxies_spill_alike_along_the_rendezvous_order():
-    async with backends(prefills=4) as (pre, dec):
+    async with pd_backends(prefills=4) as (pre, dec):
         urls = [backend.url for backend in pre]
         salts = {url: label_salt(url) for url in urls}
         busy = 0
@@ -256,7 +256,7 @@ async def test_two_proxies_spill_alike_along_the_rendezvous_order():
 
 
 async def test_two_proxies_taking_turns_place_busy_groups_alike_and_balanced():
-    async with backends(prefills=4) as (pre, dec):
+    async with pd_backends(prefills=4) as (pre, dec):
         async with proxy_for(pre, dec) as one, proxy_for(pre, dec) as two:
             groups = [system(n) for n in range(8)]
             # 32 requests each (Placement assigns every 32), every group 4 times.
