@@ -6,11 +6,13 @@ aged as its LRU would: a prompt's blocks are touched first block last, so a
 chain ages tail first, as vLLM evicts, and what an endpoint holds of a chain is
 always a prefix of it (the longest match is found by bisection).
 
-``choose`` picks, among the usable endpoints:
+``choose`` picks, among the usable endpoints, given in an order every replica
+computes alike (the prefix group's placed homes, placement.py, then the
+rendezvous order of the first block over the endpoint labels, ``ranked``):
 
-1. home: the endpoint holding the longest match; ties, and a prompt nobody
-   holds, go by rendezvous hashing of the first block over the endpoint
-   labels, so that replicas agree on cold placements without sharing state,
+1. home: among the placed homes (all endpoints for a group not placed), the
+   one holding the longest match; ties, and a prompt nobody holds, go by the
+   order, so that replicas agree on cold placements without sharing state,
    and an endpoint leaving moves only the prefixes it held;
 2. unless home is overloaded: each endpoint's work is its queued uncached
    tokens (the proxy's own estimate, or what the engine reported, whichever is

@@ -2,8 +2,9 @@
 
 One CacheRouter per proxy (per worker) owns what cache_aware.py's pure choice
 reads: a PrefixIndex of what was sent to each prefill and one of what each
-decode served, the uncached tokens queued on each prefill (added at the
-choice, released when the prefill leg ends) and the engines' own reports
+decode served, the Placement of the busiest prefix groups (placement.py),
+the uncached tokens queued on each prefill (added at the choice, released
+when the prefill leg ends) and the engines' own reports
 (engine_load.py). Settings: PD_PROXY_PREFIX_BLOCK_BYTES,
 PD_PROXY_PREFIX_CACHE_TOKENS, PD_PROXY_AFFINITY_SLACK,
 PD_PROXY_CACHE_ALLOWANCE_TOKENS, PD_PROXY_DECODE_FIRST_TOKENS and
