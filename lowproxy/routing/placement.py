@@ -17,7 +17,7 @@ group moves to another endpoint wholesale rather than request by request.
 from __future__ import annotations
 
 from operator import itemgetter
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Sequence
 
 
 class Placement:
@@ -39,45 +39,58 @@ class Placement:
 
     def assign(self, labels: Sequence[str], order: Callable[[int], Sequence[str]],
                slack: float) -> None:
-        """Assign every counted group (``order``: its rendezvous order of ``labels``)."""
+        """Assign the busiest groups (``order``: a group's rendezvous order of ``labels``).
+
+        Two passes: groups whose homes are all still there keep them while they
+        fit (a group does not move for noise in the counts, nor because an
+        endpoint it was not on left); then the others, new or displaced, take
+        the first endpoints of their order that fit.
+        """
         self.seen = 0
         counts = self.counts
-        total = sum(counts.values())
         # Only the busiest groups are placed (the rest follow their rendezvous
         # order): this runs every ``every`` requests and must stay cheap.
-        busiest = sorted(counts.items(), key=itemgetter(1))[-self.placed:]
+        busiest = sorted(sorted(counts.items(), key=itemgetter(1))[-self.placed:])
+        total = sum(counts.values())
         if not labels or total <= 0:
             self.homes = {}
             return
         cap = (1.0 + slack) * total / len(labels)
         load: dict[str, float] = dict.fromkeys(labels, 0.0)
-        homes: dict[int, tuple[str, ...]] = {}
-        for group, weight in sorted(busiest):
+        before, homes = self.homes, {}
+        later = []
+        for group, weight in busiest:
+            kept = before.get(group, ())
+            share = weight / max(1, len(kept))
+            # Kept while it still needs as many endpoints, and they are all there.
+            if kept and len(kept) == min(len(labels), max(1, -int(-weight // cap))) \
+                    and all(label in load and load[label] + share <= cap for label in kept):
+                for label in kept:
+                    load[label] += share
+                homes[group] = kept
+            else:
+                later.append((group, weight))
+        for group, weight in later:
             ranked = [label for label in order(group) if label in load]
             if not ranked:
                 continue
             parts = min(len(ranked), max(1, -int(-weight // cap)))
             share = weight / parts
             chosen = [label for label in ranked if load[label] + share <= cap][:parts]
-            for label in ranked:
-                if len(chosen) >= parts:
-                    break
-                if label not in chosen:
-                    chosen.append(label)
-            if len(chosen) == 1 and load[chosen[0]] + share > cap:
-                chosen = [min(ranked, key=lambda label: load[label])]
+            if len(chosen) < parts:  # nowhere within the bound: the least loaded
+                rest = sorted((label for label in ranked if label not in chosen),
+                              key=lambda label: load[label])
+                chosen += rest[:parts - len(chosen)]
             for label in chosen:
                 load[label] += share
             homes[group] = tuple(chosen)
         self.homes = homes
         decay = self.decay
-        kept = {group: count * decay for group, count in counts.items() if count * decay >= 0.25}
-        if len(kept) > self.kept:
-            kept = dict(sorted(kept.items(), key=itemgetter(1))[-self.kept:])
-        self.counts = kept
-
-    def home(self, group: int, conversation: int, salts: Mapping[str, int]) -> tuple[str, ...]:
-        return self.homes.get(group, ())
+        decayed = {group: count * decay for group, count in counts.items()
+                   if count * decay >= 0.25}
+        if len(decayed) > self.kept:
+            decayed = dict(sorted(decayed.items(), key=itemgetter(1))[-self.kept:])
+        self.counts = decayed
 
 
 __all__ = ["Placement"]

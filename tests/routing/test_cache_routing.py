@@ -284,3 +284,37 @@ async def test_two_proxies_taking_turns_place_busy_groups_alike_and_balanced():
             where = homes(pre)
             for prompt in groups:  # both proxies sent it to its placed home
                 assert where[prompt] == {[b.url for b in pre].index(placed[firsts[prompt]][0])}
+
+
+async def test_an_endpoint_leaving_moves_only_its_own_placed_groups():
+    async with pd_backends(prefills=3) as (pre, dec):
+        async with proxy_for(pre, dec) as running:
+            router = running.proxy.router
+            groups = [system(n) for n in range(6)]
+            firsts = {prompt: prompt_blocks("chat", turns(prompt, "x"), 512).first
+                      for prompt in groups}
+            for round_ in range(6):  # 36 requests: placed once (every 32)
+                for prompt in groups:
+                    reply = await running.request("POST", CHAT, turns(prompt, f"r{round_}"))
+                    assert reply.status == 200
+            before = {prompt: router.placement.homes[firsts[prompt]] for prompt in groups}
+            assert all(len(where) == 1 for where in before.values())
+            urls = [backend.url for backend in pre]
+            gone = max(urls, key=lambda url: sum(where == (url,) for where in before.values()))
+            leaving = next(e for e in running.proxy.prefill.endpoints if e.label == gone)
+            running.proxy.prefill.remove(leaving, running.proxy.upstream)
+            for round_ in range(6):  # placed again, on two endpoints
+                for prompt in groups:
+                    reply = await running.request("POST", CHAT, turns(prompt, f"s{round_}"))
+                    assert reply.status == 200
+            for backend in pre:
+                backend.received.clear()
+            for prompt in groups:
+                reply = await running.request("POST", CHAT, turns(prompt, "t"))
+                assert reply.status == 200
+            where = homes(pre)
+            for prompt in groups:
+                after = router.placement.homes[firsts[prompt]]
+                assert gone not in after and where[prompt] == {urls.index(after[0])}
+                if before[prompt] != (gone,):
+                    assert after == before[prompt]  # stayed where its cache is
