@@ -41,6 +41,7 @@ class PromptBlocks(NamedTuple):
     chain: list[int]  # one hash per whole block, in order
     tokens: int       # estimated prompt tokens
     first: int        # crc32 of the first block (of the prompt, if shorter): cold placement
+    opening: int = 0  # adler32 of the block ending the conversation's first turn
 
 
 NO_BLOCKS = PromptBlocks([], 0, 0)
@@ -111,13 +112,41 @@ def chain_of(data: bytes, block_bytes: int) -> list[int]:
     return list(accumulate(map(hash, zip(blocks, _DEPTHS, strict=False)), xor))
 
 
+def _opening_end(surface: str, body: Mapping[str, Any], data: bytes) -> int:
+    """Where a conversation's first turn ends in ``data``: after the leading system
+    messages and the first other one (each ends with SOH); the whole prompt for
+    completions and token ids (each its own conversation)."""
+    if surface not in ("chat", "messages", "responses"):
+        return len(data)
+    messages = body.get("input" if surface == "responses" else "messages")
+    turns = 1 + (surface == "messages" and body.get("system") is not None) \
+        + (surface == "responses" and body.get("instructions") is not None)
+    if isinstance(messages, list):
+        for message in messages:
+            if not isinstance(message, dict) or message.get("role") not in _LEADING:
+                break
+            turns += 1
+    end = 0
+    for _ in range(turns):
+        found = data.find(b"\1", end)
+        if found < 0:
+            return len(data)
+        end = found + 1
+    return end
+
+
 def prompt_blocks(surface: str, body: Mapping[str, Any], block_bytes: int) -> PromptBlocks:
     data = rendered(surface, body)
     if data is None:
         return NO_BLOCKS
     chain = chain_of(data, block_bytes)
     first = zlib.crc32(data[:block_bytes])
-    return PromptBlocks(chain, len(data) // TOKEN_BYTES + 1, first)
+    # The last block's worth of the first turn tells conversations of one group
+    # apart, the same in every process (a hot group's conversations are spread
+    # over its endpoints by it).
+    end = _opening_end(surface, body, data)
+    opening = zlib.adler32(memoryview(data)[max(0, end - block_bytes):end])
+    return PromptBlocks(chain, len(data) // TOKEN_BYTES + 1, first, opening)
 
 
 __all__ = ["NO_BLOCKS", "TOKEN_BYTES", "PromptBlocks", "chain_of", "prompt_blocks", "rendered"]

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Sequence
 
 from ..upstream.endpoint import Endpoint
 from .blocks import TOKEN_BYTES, PromptBlocks, prompt_blocks
-from .cache_aware import PrefixIndex, choose, label_salt, ranked
+from .cache_aware import PrefixIndex, choose, label_salt, mix64, ranked
 from .engine_load import EngineLoads
 from .placement import Placement
 
@@ -108,6 +108,14 @@ class CacheRouter:
                 self._orders.clear()  # placed homes first in each order: they moved
                 placement.assign(self._ordered, self._rendezvous, self.slack)
         order, pinned = self._order(by_label, blocks.first)
+        if pinned > 1:
+            # A hot group on several endpoints: its conversations split among
+            # them by rendezvous of their first turn, alike in every replica
+            # (a later turn follows its match anyway).
+            parts = order[:pinned]
+            salts = self._salt_of(parts)
+            parts.sort(key=lambda label: mix64(salts[label] ^ blocks.opening), reverse=True)
+            order = parts + order[pinned:]
         picked = choose(order, self.prefills, blocks.chain, blocks.tokens, self.block_tokens,
                         work, self.slack, self.allowance, self.legs, pinned)
         endpoint = by_label[picked.label]

@@ -19,6 +19,11 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Callable, Sequence
 
+# Requests (decayed) a group needs before it is placed: a count of one or two
+# is noise, and replicas would place such a group apart (the others follow
+# their rendezvous order, which every replica agrees on anyway).
+MIN_COUNT = 4.0
+
 
 class Placement:
     __slots__ = ("every", "decay", "kept", "placed", "counts", "homes", "seen")
@@ -50,7 +55,9 @@ class Placement:
         counts = self.counts
         # Only the busiest groups are placed (the rest follow their rendezvous
         # order): this runs every ``every`` requests and must stay cheap.
-        busiest = sorted(sorted(counts.items(), key=itemgetter(1))[-self.placed:])
+        busiest = sorted((group, count) for group, count in
+                         sorted(counts.items(), key=itemgetter(1))[-self.placed:]
+                         if count >= MIN_COUNT)
         total = sum(counts.values())
         if not labels or total <= 0:
             self.homes = {}

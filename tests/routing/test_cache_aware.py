@@ -98,18 +98,33 @@ def test_prometheus_of_vllm_and_sglang():
 def test_placement_spreads_a_group_above_its_share_and_balances_the_rest():
     labels = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
     salts = {label: label_salt(label) for label in labels}
-    placement = Placement(every=16, decay=1.0)
-    for _ in range(8):
-        placement.observe(7)  # a hot group: half the requests
+    placement = Placement(every=50, decay=1.0)
+    for _ in range(16):
+        placement.observe(7)  # a hot group: a third of the requests
     for group in range(100, 108):
-        placement.observe(group)
+        for _ in range(4):
+            placement.observe(group)
+    placement.observe(200)  # seen once: noise, not placed (MIN_COUNT)
+    assert not placement.due()
+    placement.observe(201)
     assert placement.due()
     placement.assign(labels, lambda group: ranked(labels, salts, group), 0.25)
-    assert not placement.due()
-    hot = placement.homes[7]  # 8 of 16 requests, 5 per endpoint at most: two endpoints
+    assert not placement.due() and 200 not in placement.homes
+    hot = placement.homes[7]  # 16 of 50 requests, 15.6 per endpoint at most: two
     assert list(hot) == ranked(labels, salts, 7)[:2]
     load = dict.fromkeys(labels, 0.0)
     for group, homes in placement.homes.items():
         for label in homes:
-            load[label] += (8 if group == 7 else 1) / len(homes)
-    assert max(load.values()) <= 1.25 * 16 / 4
+            load[label] += (16 if group == 7 else 4) / len(homes)
+    assert len(placement.homes) == 9 and max(load.values()) <= 1.25 * 50 / 4
+
+
+def test_a_conversations_opening_is_the_same_every_turn_and_its_own():
+    system = {"role": "system", "content": "s" * 2000}
+    first = prompt_blocks("chat", {"messages": [system, {"role": "user", "content": "hi"}]}, 512)
+    later = prompt_blocks("chat", {"messages": [
+        system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "more"}]}, 512)
+    other = prompt_blocks("chat", {"messages": [system, {"role": "user", "content": "ho"}]}, 512)
+    assert first.opening == later.opening and first.opening != other.opening
+    assert first.first == other.first  # one group: the same system prompt
