@@ -41,7 +41,25 @@ class PromptBlocks(NamedTuple):
     chain: list[int]  # one hash per whole block, in order
     tokens: int       # estimated prompt tokens
     first: int        # crc32 of the first block (of the prompt, if shorter): cold placement
-    opening: int = 0  # adler32 of the block ending the conversation's first turn
+    data: bytes = b""  # the rendered prompt
+    turns: int = 0    # messages up to the end of the first turn; 0: the whole prompt
+    block_bytes: int = 0
+
+    def opening(self) -> int:
+        """adler32 of the block that ends the conversation's first turn: it tells
+        conversations of one group apart, the same in every process (a hot
+        group's conversations are spread over its endpoints by it). Computed
+        only for such a group."""
+        data, end = self.data, len(self.data)
+        if self.turns:
+            end = 0
+            for _ in range(self.turns):
+                found = data.find(b"\1", end)
+                if found < 0:
+                    end = len(data)
+                    break
+                end = found + 1
+        return zlib.adler32(memoryview(data)[max(0, end - self.block_bytes):end])
 
 
 NO_BLOCKS = PromptBlocks([], 0, 0)
@@ -112,12 +130,12 @@ def chain_of(data: bytes, block_bytes: int) -> list[int]:
     return list(accumulate(map(hash, zip(blocks, _DEPTHS, strict=False)), xor))
 
 
-def _opening_end(surface: str, body: Mapping[str, Any], data: bytes) -> int:
-    """Where a conversation's first turn ends in ``data``: after the leading system
-    messages and the first other one (each ends with SOH); the whole prompt for
-    completions and token ids (each its own conversation)."""
+def _first_turn(surface: str, body: Mapping[str, Any]) -> int:
+    """How many rendered messages (each ends with SOH) a conversation's first turn
+    takes: the leading system messages and the first other one; 0 (the whole
+    prompt) for completions and token ids, each its own conversation."""
     if surface not in ("chat", "messages", "responses"):
-        return len(data)
+        return 0
     messages = body.get("input" if surface == "responses" else "messages")
     turns = 1 + (surface == "messages" and body.get("system") is not None) \
         + (surface == "responses" and body.get("instructions") is not None)
@@ -126,13 +144,7 @@ def _opening_end(surface: str, body: Mapping[str, Any], data: bytes) -> int:
             if not isinstance(message, dict) or message.get("role") not in _LEADING:
                 break
             turns += 1
-    end = 0
-    for _ in range(turns):
-        found = data.find(b"\1", end)
-        if found < 0:
-            return len(data)
-        end = found + 1
-    return end
+    return turns
 
 
 def prompt_blocks(surface: str, body: Mapping[str, Any], block_bytes: int) -> PromptBlocks:
@@ -141,12 +153,8 @@ def prompt_blocks(surface: str, body: Mapping[str, Any], block_bytes: int) -> Pr
         return NO_BLOCKS
     chain = chain_of(data, block_bytes)
     first = zlib.crc32(data[:block_bytes])
-    # The last block's worth of the first turn tells conversations of one group
-    # apart, the same in every process (a hot group's conversations are spread
-    # over its endpoints by it).
-    end = _opening_end(surface, body, data)
-    opening = zlib.adler32(memoryview(data)[max(0, end - block_bytes):end])
-    return PromptBlocks(chain, len(data) // TOKEN_BYTES + 1, first, opening)
+    return PromptBlocks(chain, len(data) // TOKEN_BYTES + 1, first, data,
+                        _first_turn(surface, body), block_bytes)
 
 
 __all__ = ["NO_BLOCKS", "TOKEN_BYTES", "PromptBlocks", "chain_of", "prompt_blocks", "rendered"]

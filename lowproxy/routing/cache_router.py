@@ -100,7 +100,10 @@ class CacheRouter:
         by_label = {endpoint.label: endpoint for endpoint in usable}
         if not self._ordered:  # never pruned (bench/route_cost.py): the usable are all
             self._ordered = list(by_label)
-        work = {label: self._work(endpoint) for label, endpoint in by_label.items()}
+        if self.engine is None:  # the proxy's own counts only (bench/route_cost.py)
+            work = {endpoint.label: queued for endpoint, queued in self.queued.items()}
+        else:
+            work = {label: self._work(endpoint) for label, endpoint in by_label.items()}
         if blocks.chain:
             placement = self.placement
             placement.observe(blocks.first)
@@ -112,9 +115,9 @@ class CacheRouter:
             # A hot group on several endpoints: its conversations split among
             # them by rendezvous of their first turn, alike in every replica
             # (a later turn follows its match anyway).
-            parts = order[:pinned]
+            parts, opening = order[:pinned], blocks.opening()
             salts = self._salt_of(parts)
-            parts.sort(key=lambda label: mix64(salts[label] ^ blocks.opening), reverse=True)
+            parts.sort(key=lambda label: mix64(salts[label] ^ opening), reverse=True)
             order = parts + order[pinned:]
         picked = choose(order, self.prefills, blocks.chain, blocks.tokens, self.block_tokens,
                         work, self.slack, self.allowance, self.legs, pinned)
@@ -138,15 +141,15 @@ class CacheRouter:
         keeps the others' order: it moves only its own prefixes); and how many
         placed homes lead."""
         known = self._orders.get(first)
-        if known is None or any(label not in known[0] for label in usable):
-            labels = list(dict.fromkeys([*self._ordered, *usable]))  # named ones too
-            order = ranked(labels, self._salt_of(labels), first)
+        if known is None:
+            order = ranked(self._ordered, self._salt_of(self._ordered), first)
             placed = [label for label in self.placement.homes.get(first, ()) if label in order]
             known = ([*placed, *(label for label in order if label not in placed)], placed)
             if len(self._orders) >= ORDERS_KEPT:
                 self._orders.clear()  # a new set of popular prefixes fills it again
             self._orders[first] = known
         order, placed = known
+        # The usable are some of the configured (prune keeps _ordered so).
         if len(usable) == len(order):
             return order, len(placed)
         return [label for label in order if label in usable], \

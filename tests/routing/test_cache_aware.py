@@ -126,5 +126,5 @@ def test_a_conversations_opening_is_the_same_every_turn_and_its_own():
         system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
         {"role": "user", "content": "more"}]}, 512)
     other = prompt_blocks("chat", {"messages": [system, {"role": "user", "content": "ho"}]}, 512)
-    assert first.opening == later.opening and first.opening != other.opening
+    assert first.opening() == later.opening() and first.opening() != other.opening()
     assert first.first == other.first  # one group: the same system prompt
