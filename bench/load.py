@@ -39,17 +39,20 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+import load_features
 import load_plot
 import load_prefix
 from load_client import Result, drive, prefill_leg_body
+from load_peer import PEER_SCENARIOS, PeerProcess, available
 from load_procs import Backends, ProxyProcess, raise_fd_limit
 from load_render import FOOTNOTE, markdown, summary, table
 from load_report import evaluate, group_by_run
 from load_streams import idle_streams, trickle
 
 SCENARIOS = ("chat", "latency", "mooncake", "stream", "trickle", "workers", "idle-streams")
-# Not in "all": load_prefix.py, fresh backends per cell and its own table.
-OWN_TABLE = ("prefix",)
+# Not in "all", each with its own table: load_prefix.py (fresh backends per cell) and
+# load_features.py (chat with each optional feature on and off).
+OWN_TABLE = ("prefix", "features")
 NEEDS_CHAT = ("trickle", "workers")  # their figures are relative to chat's of the same run
 LOOPS = ("asyncio", "uvloop", "auto")
 
@@ -86,6 +89,14 @@ def run_fast(scenario: str, backends: Backends, args: argparse.Namespace,
                                      backend_pid=backends.pid))]
     finally:
         proxy.stop()
+    if args.peer and scenario in PEER_SCENARIOS:
+        peer = PeerProcess(args.peer, backends, kv_protocol)
+        try:
+            results.append(asyncio.run(drive(scenario, "peer", peer.port, peer.pid,
+                                             args.concurrency, args, stream,
+                                             backend_pid=backends.pid)))
+        finally:
+            peer.stop()
     if scenario != "workers":
         results.append(asyncio.run(drive(scenario, "direct", backends.decode_port,
                                          backends.pid, args.concurrency, args, stream)))
@@ -101,11 +112,19 @@ def run_latency(backends: Backends, args: argparse.Namespace, loop: str) -> list
                                     backend_pid=backends.pid))
     finally:
         proxy.stop()
+    results = [through]
+    if args.peer:
+        peer = PeerProcess(args.peer, backends, "relay")
+        try:
+            results.append(asyncio.run(drive("latency", "peer", peer.port, peer.pid, 1, args,
+                                             False, backend_pid=backends.pid)))
+        finally:
+            peer.stop()
     direct = asyncio.run(drive("latency", "direct", backends.decode_port, backends.pid, 1,
                                args, False))
     prefill = asyncio.run(drive("latency", "prefill", backends.prefill_port, backends.pid, 1,
                                 args, False, body=prefill_leg_body()))
-    return [through, direct, prefill]
+    return [*results, direct, prefill]
 
 
 def run_trickle(args: argparse.Namespace, loop: str) -> list[Result]:
@@ -114,13 +133,20 @@ def run_trickle(args: argparse.Namespace, loop: str) -> list[Result]:
     try:
         proxy = ProxyProcess(proxy_command(args), backends, "relay", loop, extra_env(args))
         try:
-            through = asyncio.run(trickle("proxy", proxy.port, proxy.pid, args))
+            results = [asyncio.run(trickle("proxy", proxy.port, proxy.pid, args))]
         finally:
             proxy.stop()
-        direct = asyncio.run(trickle("direct", backends.decode_port, backends.pid, args))
+        if args.peer:
+            peer = PeerProcess(args.peer, backends, "relay")
+            try:
+                results.append(asyncio.run(trickle("peer", peer.port, peer.pid, args)))
+            finally:
+                peer.stop()
+        results.append(asyncio.run(trickle("direct", backends.decode_port, backends.pid,
+                                           args)))
     finally:
         backends.stop()
-    return [through, direct]
+    return results
 
 
 def run_idle(args: argparse.Namespace, loop: str) -> list[Result]:
@@ -200,6 +226,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="command starting the proxy under test; it must honour PD_PROXY_HOST/PORT/"
         "PREFILL_URL/DECODE_URL/KV_PROTOCOL/MOONCAKE_BOOTSTRAP_PORT (default: this "
         "Python -m lowproxy)")
+    add("--peer", default="", metavar="NAME",
+        help="also run this peer proxy against the same backends, side by side, and quote "
+        "the proxy's figures as ratios to it: vllm-router (pip install vllm-router); "
+        "skipped with a message when it is not installed")
     add("--proxy-env", action="append", default=[], metavar="KEY=VALUE",
         help="extra environment for the proxy (repeatable)")
     add("--loop", default="both",
@@ -263,13 +293,19 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         print("uvloop is not installed: --loop asyncio only", file=sys.stderr)
         loops = ("asyncio",)
     args.loops = loops
+    if args.peer:
+        why_not = available(args.peer)
+        if why_not is not None:
+            print(why_not, file=sys.stderr)
+            args.peer = ""
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     if args.plot and not load_plot.available():  # before the load, not after it
         parser.exit(2, f"bench/load.py: {load_plot.HINT}\n")
 
 
-SETTINGS = ("cpus", "scenarios", "loops", "repeat", "concurrency", "duration", "requests", "warmup",
+SETTINGS = ("cpus", "peer", "scenarios", "loops", "repeat", "concurrency", "duration",
+            "requests", "warmup",
             "stream_chunks", "trickle_streams", "trickle_events", "trickle_interval",
             "trickle_rounds", "workers", "idle_streams", "idle_chunk_delay", "timeout")
 
@@ -287,6 +323,8 @@ def report(results: list[Result], settings: argparse.Namespace) -> dict[str, Any
 
 
 def render(document: dict[str, Any], settings: argparse.Namespace, with_markdown: bool) -> str:
+    if not document["runs"]:
+        return ""  # only the scenarios with tables of their own ran (prefix, features)
     results = [Result(**r) for r in document["results"]]
     groups = group_by_run(results)
     per_run = (f"{settings.requests} requests" if settings.requests
@@ -310,6 +348,10 @@ def from_json(args: argparse.Namespace) -> int:
         document = json.load(f)
     settings = argparse.Namespace(**document["settings"])
     print(render(document, settings, args.markdown))
+    if "features" in document:
+        print("\n" + load_features.render(document["features"]))
+        if args.markdown:
+            print("\n" + load_features.markdown(document["features"]))
     plot(document, args)
     return 0
 
@@ -342,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
         if not args.json:
             print("running prefix (each policy on fresh backends) ...", file=sys.stderr)
         document["prefix"] = load_prefix.run(args.proxy_cmd_list)
+    if "features" in args.scenarios:
+        document["features"] = load_features.run(
+            args.proxy_cmd_list, args,
+            lambda what: None if args.json else print(f"running {what} ...", file=sys.stderr,
+                                                      flush=True))
     text = json.dumps(document, indent=2)
     if args.json_file:
         with open(args.json_file, "w") as f:
@@ -349,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text if args.json else render(document, args, args.markdown))
     if "prefix" in document and not args.json:
         print("\n" + load_prefix.render(document["prefix"]))
+    if "features" in document and not args.json:
+        print("\n" + load_features.render(document["features"]))
+        if args.markdown:
+            print("\n" + load_features.markdown(document["features"]))
     plot(document, args)
     failed = any(r.errors for r in results) or not all(t["pass"] for t in document["targets"])
     return 1 if args.check and failed else 0

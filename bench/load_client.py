@@ -40,10 +40,11 @@ def prefill_leg_body() -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def request_bytes(port: int, path: str, body: bytes) -> bytes:
+def request_bytes(port: int, path: str, body: bytes, extra: bytes = b"") -> bytes:
+    """One request; ``extra``: more header lines, each ending in CRLF."""
     return (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\n"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"\r\n").encode() + body
+            ).encode() + extra + b"\r\n" + body
 
 
 class BadResponse(Exception):
@@ -314,7 +315,8 @@ async def drive(scenario: str, target: str, port: int, measured_pid: int | None,
     ``backend_pid``: also measure the backends and this client over the same window,
     so the CPU all processes spend per request (what a core count allows) is known.
     """
-    payload = request_bytes(port, CHAT_PATH, body if body is not None else chat_body(stream))
+    payload = request_bytes(port, CHAT_PATH, body if body is not None else chat_body(stream),
+                            getattr(settings, "client_header", b""))
     load = Load(port=port, payload=payload, stream=stream, timeout=settings.timeout,
                 expected_events=settings.stream_chunks if stream else 0,
                 wanted=settings.requests or 0)

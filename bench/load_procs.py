@@ -143,10 +143,10 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
 class Backends:
     """``python -m lowproxy.demo`` in its own process."""
 
-    def __init__(self, stream_chunks: int, chunk_delay: float) -> None:
+    def __init__(self, stream_chunks: int, chunk_delay: float, *extra: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "lowproxy.demo", "--stream-chunks", str(stream_chunks),
-             "--chunk-delay", str(chunk_delay)],
+             "--chunk-delay", str(chunk_delay), *extra],
             env=child_env({}), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, cwd=ROOT)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -174,8 +174,8 @@ class ProxyProcess:
     """The proxy under test, configured through PD_PROXY_* only."""
 
     def __init__(self, command: list[str], backends: Backends, kv_protocol: str,
-                 loop: str, extra_env: dict[str, str]) -> None:
-        self.port = free_port()
+                 loop: str, extra_env: dict[str, str], port: int = 0) -> None:
+        self.port = port or free_port()
         env = child_env({
             "PD_PROXY_HOST": "127.0.0.1",
             "PD_PROXY_PORT": str(self.port),

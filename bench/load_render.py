@@ -49,25 +49,36 @@ def _row(r: Result) -> str:
 
 
 def direct_ratios(group: Group) -> list[str]:
-    """Per scenario: every figure of the proxy row over the same figure of its direct row
-    (workers has none of its own: chat's direct run is the same load)."""
+    """Per scenario: every figure of the proxy row (and the peer's) over the same figure of
+    its direct row, and the proxy's over the peer's (workers has no direct run of its
+    own: chat's is the same load)."""
     lines = []
     names = dict.fromkeys(scenario for scenario, _ in group)
     for scenario in names:
-        through = group.get((scenario, "proxy"))
         direct = group.get((scenario if scenario != "workers" else "chat", "direct"))
-        if through is None or direct is None:
-            continue
-        parts = []
-        for label, name in (("req/s", "rps"), ("p50", "p50_ms"), ("p99", "p99_ms"),
-                            ("cpu/req", "cpu_us_per_request"), ("cpu/chunk", "cpu_us_per_chunk"),
-                            ("peak RSS", "peak_rss_kb"), ("KB/stream", "kb_per_stream")):
-            a, b = getattr(through, name), getattr(direct, name)
-            if a is not None and b:
-                extra = f" ({a - b:+.2f} ms)" if name == "p50_ms" else ""
-                parts.append(f"{label} x{a / b:.2f}{extra}")
-        lines.append(f"  {scenario:<12} " + ", ".join(parts))
+        peer = group.get((scenario, "peer"))
+        for target, against in (("proxy", direct), ("peer", direct), ("proxy", peer)):
+            line = _ratios(scenario, group.get((scenario, target)), against,
+                           f"{target} / {'peer' if against is peer else 'direct'}")
+            if line is not None:
+                lines.append(line)
     return lines
+
+
+def _ratios(scenario: str, through: Result | None, direct: Result | None,
+            what: str) -> str | None:
+    """Every figure of one row over the same figure of another."""
+    if through is None or direct is None:
+        return None
+    parts = []
+    for label, name in (("req/s", "rps"), ("p50", "p50_ms"), ("p99", "p99_ms"),
+                        ("cpu/req", "cpu_us_per_request"), ("cpu/chunk", "cpu_us_per_chunk"),
+                        ("peak RSS", "peak_rss_kb"), ("KB/stream", "kb_per_stream")):
+        a, b = getattr(through, name), getattr(direct, name)
+        if a is not None and b:
+            extra = f" ({a - b:+.2f} ms)" if name == "p50_ms" else ""
+            parts.append(f"{label} x{a / b:.2f}{extra}")
+    return f"  {scenario:<12} {what:<15} " + ", ".join(parts)
 
 
 def _verdict(entry: dict[str, Any]) -> str:
@@ -83,6 +94,8 @@ def figure_line(entry: dict[str, Any]) -> str:
     target = f" (target {_limit(entry)})" if entry["limit"] is not None else ""
     ratio = (f", x{entry['ratio']:.2f} {entry['ratio_of']}" if entry["ratio"] is not None
              else "")
+    if entry.get("peer_ratio") is not None:
+        ratio += f", x{entry['peer_ratio']:.2f} the peer's"
     return (f"  [{_verdict(entry)}] {entry['figure']}: "
             f"{fmt_figure(entry['value'], entry['unit'])}{ratio}{target}")
 
@@ -94,7 +107,8 @@ def table(group: Group, figures: list[dict[str, Any]], title: str) -> str:
         if r.error_kinds:
             lines.append(" " * 14 + "errors: " + ", ".join(f"{k} x{v}"
                                                           for k, v in r.error_kinds.items()))
-    lines += ["", "proxy vs direct to decode:", *direct_ratios(group), "",
+    lines += ["", "proxy vs direct to decode: (with --peer also peer / direct and proxy / peer)",
+              *direct_ratios(group), "",
               "figures and targets (x: ratio to the direct run of this invocation):"]
     lines += [figure_line(entry) for entry in figures]
     return "\n".join(lines)
@@ -126,7 +140,9 @@ def markdown(runs: list[dict[str, Any]], settings: Any, cpus: int | None) -> str
     per_run = f"{settings.requests} requests" if settings.requests else f"{settings.duration:g} s"
     lines = [f"`python bench/load.py` on {cpus} cpus, {per_run} per run, "
              f"{repeat} run(s) per loop; ×: ratio to the direct-to-decode run of the same "
-             "invocation (CPU: to the decode backend's own CPU).", "",
+             "invocation (CPU: to the decode backend's own CPU)"
+             + (f"; [× peer]: ratio to {settings.peer} in the same invocation"
+                if getattr(settings, "peer", "") else "") + ".", "",
              "| scenario | figure | " + " | ".join(loops) + " | target |",
              "|---|---|" + "---|" * len(loops) + "---|"]
     for name in dict.fromkeys(e["figure"] for run in runs for e in run["figures"]):
@@ -141,6 +157,8 @@ def markdown(runs: list[dict[str, Any]], settings: Any, cpus: int | None) -> str
                 text = fmt_figure(entry["value"], entry["unit"]).replace("us", "µs")
                 if entry["ratio"] is not None:
                     text += f" (×{entry['ratio']:.2f})"
+                if entry.get("peer_ratio") is not None:
+                    text += f" [×{entry['peer_ratio']:.2f} peer]"
                 if entry["pass"] is not None:
                     text += f" {_verdict(entry)}"
                     limit = _limit(entry).replace("<=", "≤").replace(">=", "≥ ").replace(

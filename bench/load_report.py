@@ -58,6 +58,29 @@ def _cpu(scenario: str, name: str = "cpu_us_per_request") -> tuple[Callable, Cal
     return value, ratio
 
 
+def _peer(scenario: str, name: str = "cpu_us_per_request") -> Callable:
+    """The peer's row's figure: what lowproxy's is quoted against."""
+    return lambda g, s: _get(g, scenario, "peer", name)
+
+
+def _over_peer(scenario: str, name: str = "cpu_us_per_request") -> tuple[Callable, Callable]:
+    """The proxy's figure as a multiple of the peer's, and the peer's over direct's."""
+    def value(g: Group, s: Any) -> Any:
+        return _div(_get(g, scenario, "proxy", name), _get(g, scenario, "peer", name))
+
+    def ratio(g: Group, s: Any) -> Any:
+        return _div(_get(g, scenario, "peer", name), _get(g, scenario, "direct", name))
+    return value, ratio
+
+
+def _peer_latency_added(g: Group, s: Any) -> float | None:
+    through, direct, prefill = (_get(g, "latency", t, "p50_ms")
+                                for t in ("peer", "direct", "prefill"))
+    if through is None or direct is None or prefill is None:
+        return None
+    return through - direct - prefill
+
+
 def _stream_extra(g: Group, s: Any) -> float | None:
     chunks = s.stream_chunks
     stream, chat = _get(g, "stream", "proxy", "cpu_us_per_request"), _get(
@@ -101,9 +124,13 @@ class Figure:
     ratio_of: str  # what the ratio compares
     limit: float | None = None
     at_most: bool = True
+    # The same figure of the peer (--peer), when it ran: what the ratio to it divides by.
+    peer: Callable[[Group, Any], float | None] | None = None
+
+    needs_peer: bool = False  # shown only when the peer ran (a ratio to it)
 
     def name(self, settings: Any) -> str:
-        return self.label.format(**vars(settings))
+        return self.label.format(**{"peer": "", **vars(settings)})
 
     def check(self, group: Group, settings: Any
               ) -> tuple[float | None, float | None, bool | None]:
@@ -120,21 +147,32 @@ def _figures() -> list[Figure]:
     decode_cpu = "decode backend's CPU"
     return [
         Figure("chat", "chat c={concurrency}: proxy CPU per request, no errors", "us",
-               *_cpu("chat"), decode_cpu, limit=300.0),
+               *_cpu("chat"), decode_cpu, limit=330.0, peer=_peer("chat")),
+        Figure("chat", "chat c={concurrency}: proxy CPU per request / peer's ({peer})", "x",
+               *_over_peer("chat"), "peer's CPU over the decode backend's", limit=2.1,
+               needs_peer=True),
         Figure("chat", "chat c={concurrency}: req/s", "",
                lambda g, s: _get(g, "chat", "proxy", "rps"),
                lambda g, s: _div(_get(g, "chat", "proxy", "rps"), _get(g, "chat", "direct", "rps")),
                "direct req/s"),
         Figure("mooncake", "mooncake c={concurrency}: proxy CPU per request, no errors", "us",
-               *_cpu("mooncake"), decode_cpu, limit=300.0),
+               *_cpu("mooncake"), decode_cpu, limit=330.0, peer=_peer("mooncake")),
+        Figure("mooncake", "mooncake c={concurrency}: proxy CPU per request / peer's "
+               "({peer})", "x", *_over_peer("mooncake"), "peer's CPU over the decode "
+               "backend's", limit=2.1, needs_peer=True),
         Figure("stream", "stream {stream_chunks} chunks: proxy CPU per chunk", "us",
-               *_cpu("stream", "cpu_us_per_chunk"), decode_cpu, limit=10.0),
+               *_cpu("stream", "cpu_us_per_chunk"), decode_cpu, limit=10.0,
+               peer=_peer("stream", "cpu_us_per_chunk")),
         Figure("stream", "stream: proxy CPU per extra chunk, (stream - chat) / chunks", "us",
                _stream_extra,
                lambda g, s: _div(_stream_extra(g, s),
                               _get(g, "stream", "direct", "cpu_us_per_chunk")), decode_cpu),
         Figure("trickle", "trickle {trickle_streams}x{trickle_events} events: proxy CPU per "
-               "event, all in", "us", *_cpu("trickle", "cpu_us_per_chunk"), decode_cpu),
+               "event, all in", "us", *_cpu("trickle", "cpu_us_per_chunk"), decode_cpu,
+               peer=_peer("trickle", "cpu_us_per_chunk")),
+        Figure("trickle", "trickle: proxy CPU per event, all in / peer's ({peer})", "x",
+               *_over_peer("trickle", "cpu_us_per_chunk"), "peer's CPU over the decode "
+               "backend's", limit=1.0, needs_peer=True),
         Figure("trickle", "trickle: proxy CPU per event net of chat's per-request cost", "us",
                lambda g, s: _get(g, "trickle", "proxy", "cpu_us_per_chunk_net"),
                lambda g, s: _div(_get(g, "trickle", "proxy", "cpu_us_per_chunk_net"),
@@ -160,9 +198,14 @@ def _figures() -> list[Figure]:
                lambda g, s: _div(_get(g, "latency", "proxy", "p50_ms"),
                               _get(g, "latency", "direct", "p50_ms")),
                "direct p50 (proxy p50 / direct p50)", limit=0.5),
+        Figure("latency", "latency c=1: peer's ({peer}) p50 above direct + prefill's own p50",
+               "ms", _peer_latency_added,
+               lambda g, s: _div(_get(g, "latency", "peer", "p50_ms"),
+                              _get(g, "latency", "direct", "p50_ms")),
+               "direct p50 (peer p50 / direct p50)", needs_peer=True),
         Figure("idle-streams", "idle-streams {idle_streams}: proxy memory per open stream, "
                "no errors", "KB", *_cpu("idle-streams", "kb_per_stream"),
-               "decode backend's KB/stream", limit=30.0),
+               "decode backend's KB/stream", limit=20.0),
         Figure("idle-streams", "idle-streams: proxy CPU per trickled chunk", "us",
                *_cpu("idle-streams", "cpu_us_per_chunk"), decode_cpu),
     ]
@@ -178,9 +221,14 @@ def evaluate(group: Group, settings: Any) -> list[dict[str, Any]]:
     for figure in FIGURES:
         if (figure.scenario, "proxy") not in group:
             continue
+        if figure.needs_peer and (figure.scenario, "peer") not in group:
+            continue
         value, ratio, ok = figure.check(group, settings)
+        peer = figure.peer(group, settings) if figure.peer is not None else None
         found.append({"figure": figure.name(settings), "scenario": figure.scenario,
                       "unit": figure.unit, "value": value, "limit": figure.limit,
                       "at_most": figure.at_most, "pass": ok, "ratio": ratio,
-                      "ratio_of": figure.ratio_of})
+                      "ratio_of": figure.ratio_of,
+                      "peer_ratio": _div(value, peer) if peer is not None and peer > 0
+                      else None})
     return found

@@ -1,4 +1,4 @@
-"""One client socket: h11 request cycles, one phase and its one timer, hang-up watcher.
+"""One client socket: h11 request cycles, one phase and its one timer, hang-up hook.
 
 Cycles run in order (keep-alive and pipelining: a cycle finishes before the
 next request is parsed, as in uvicorn's h11 protocol). Each cycle reads the
@@ -23,6 +23,7 @@ from .._types import Headers
 from ..answers import REASONS, bad_gateway, canned_response, error_body, internal_error
 from ..routes import speaks_anthropic
 from ..timeouts import deadline
+from .hangup import HangUpHook
 from .limits import Limits, origin_target, oversized_head_status, refusal
 from .messages import AbortResponse, ClientGone, ClientRequest, ResponseWriter
 from .responder import Responder
@@ -30,8 +31,9 @@ from .responder import Responder
 log = logging.getLogger("lowproxy.server")
 
 READ_SIZE = 64 * 1024
-# A handler waiting on a backend longer than this starts watching its client for
-# a hang-up; the many exchanges that end sooner never pay for the watcher task.
+# A hang-up cancels a handler only once it has waited this long: an exchange that
+# ends sooner still answers a client that half-closed after its request (a FIN
+# reads the same as a close; only a write could tell them apart).
 WATCH_AFTER = 0.05
 # After refusing a request, how long and how much of its remaining input to drop.
 LINGER_SECONDS = 2.0
@@ -71,10 +73,18 @@ class ClientConnection:
         self._loop = asyncio.get_running_loop()
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=limits.max_header_bytes)
         self.phase = Phase.HEAD
+        # One lazy timer per connection (see _enter): when the phase's time is up,
+        # and when the handle armed for it fires (never later than that).
+        self._deadline: float | None = None
         self._timer: asyncio.TimerHandle | None = None
-        self._watcher: asyncio.Task[None] | None = None
-        self._watch_later: asyncio.TimerHandle | None = None
-        self._pending: list[bytes] = []
+        self._timer_at = 0.0
+        # Armed no further ahead than this, so that no later phase finds it too late.
+        self._arm_within = min(limits.header_timeout, limits.keepalive_timeout)
+        # Whether the running handler asked for a hang-up to cancel it, and when
+        # (watch_client).
+        self._watching = False
+        self._watch_since = 0.0
+        self.transport.set_protocol(HangUpHook(self.transport.get_protocol(), self._hung_up))
         self._head_bytes = 0
         self._head_reads: list[bytes] | None = None  # this cycle's reads until its head
         self._task: asyncio.Task[Any] | None = None
@@ -117,21 +127,49 @@ class ClientConnection:
     # -- the phase and its one timer
 
     def _enter(self, phase: Phase, seconds: float | None = None) -> None:
-        """Move to ``phase`` (never out of a final one) and arm its timer, if any."""
-        self._disarm()
+        """Move to ``phase`` (never out of a final one) and set its deadline, if any.
+
+        Lazily: a request moves through three timed phases in well under a
+        millisecond, so the timer is re-armed only when it fires early (the
+        deadline moved on meanwhile) or would fire too late. A request costs
+        two timer operations (armed at keep-alive, cancelled when its handler
+        starts), none for its head and body phases.
+        """
+        self._deadline = None
         if self.phase in _FINAL and phase not in _FINAL:
             return
         self.phase = phase
         if seconds is not None:
-            self._timer = self._loop.call_later(seconds, self._expired)
+            now = self._loop.time()
+            deadline = self._deadline = now + seconds
+            if self._timer is None or self._timer_at > deadline:
+                self._arm(now, deadline)
+
+    def _arm(self, now: float, deadline: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        when = self._timer_at = min(deadline, now + self._arm_within)
+        self._timer = self._loop.call_at(when, self._expired)
 
     def _disarm(self) -> None:
+        self._deadline = None  # the armed handle, if any, finds nothing to do
+
+    def _cancel_timer(self) -> None:
+        self._deadline = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
 
     def _expired(self) -> None:
         self._timer = None
+        deadline = self._deadline
+        if deadline is None:
+            return
+        now = self._loop.time()
+        if now < deadline:
+            self._arm(now, deadline)  # the phase moved on since this handle was armed
+            return
+        self._deadline = None
         if self.phase in _DUE_408 and not self.transport.is_closing():
             # RFC 9110 15.5.9: a 408 tells the client why before the close.
             self.transport.write(canned_response(
@@ -148,15 +186,6 @@ class ClientConnection:
     # -- reading, and watching for a hang-up while a handler waits
 
     async def _read(self) -> bytes:
-        watcher = self._watcher
-        if watcher is not None:
-            # The watcher owns the pending read until it returns; take its bytes.
-            self._watcher = None
-            await watcher
-        if self._pending:
-            data = b"".join(self._pending)
-            self._pending.clear()
-            return data
         if self.phase in (Phase.GONE, Phase.CLOSED):
             return b""
         try:
@@ -165,55 +194,31 @@ class ClientConnection:
             return b""
 
     def watch_client(self) -> None:
-        """While a handler waits on a backend, read the socket to notice a hang-up.
+        """While a handler waits on a backend, let a hang-up cancel it.
 
-        A hang-up cancels the handler's task, which closes its upstream
-        exchange at once (a decode server aborts the request when its
-        connection drops). Bytes of a pipelined next request are kept for the
-        next cycle, up to the head limit; past that reading stops and TCP
-        pushes back. The watcher keeps its read pending after the cycle: the
-        next read awaits it rather than racing it.
+        The handler's task is cancelled, which closes its upstream exchange at
+        once (a decode server aborts the request when its connection drops).
+        The transport keeps reading while the handler runs (the hang-up hook
+        sees EOF and resets as they arrive); bytes of a pipelined next request
+        stay in the reader's buffer for the next cycle, and past its limit
+        reading pauses and TCP pushes back.
         """
-        if self._watcher is None and self._watch_later is None and not self.gone:
-            # Most exchanges end within WATCH_AFTER: they never pay for a task.
-            self._watch_later = self._loop.call_later(WATCH_AFTER, self._start_watching)
+        if not self.gone:
+            self._watching = True
+            self._watch_since = self._loop.time()
 
-    def _start_watching(self) -> None:
-        self._watch_later = None
-        if self.busy and self._watcher is None:
-            self._watcher = self._loop.create_task(self._watch())
-
-    async def _watch(self) -> None:
-        size = 0
-        while True:
-            try:
-                data = await self.reader.read(READ_SIZE)
-            except (ConnectionError, OSError):
-                data = b""
-            if not data:
-                if self.busy and self._task is not None:
-                    # Mid-request: the client left. Between requests, an EOF only
-                    # means no more requests; what we wrote still gets flushed.
-                    self.phase = Phase.GONE
-                    self._task.cancel()
-                elif self.phase not in _FINAL:
-                    self.phase = Phase.CLOSED
+    def _hung_up(self) -> None:
+        """The client sent EOF or the connection was lost (HangUpHook)."""
+        if self._watching and self.phase is Phase.HANDLING and self._task is not None:
+            # Mid-request: the client left. Between requests, an EOF only means
+            # no more requests, which the next read finds.
+            wait = self._watch_since + WATCH_AFTER - self._loop.time()
+            if wait > 0:  # rare: a timer only for a hang-up in the first WATCH_AFTER
+                self._loop.call_later(wait, self._hung_up)
                 return
-            self._pending.append(data)
-            size += len(data)
-            if not self.busy or size > self.limits.max_header_bytes:
-                return
-
-    def _stop_watching(self) -> None:
-        self._cancel_watch_later()
-        watcher, self._watcher = self._watcher, None
-        if watcher is not None and not watcher.done():
-            watcher.cancel()
-
-    def _cancel_watch_later(self) -> None:
-        if self._watch_later is not None:
-            self._watch_later.cancel()
-            self._watch_later = None
+            self._watching = False
+            self.phase = Phase.GONE
+            self._task.cancel()
 
     async def _next_event(self) -> Any:
         conn = self.h11
@@ -255,8 +260,8 @@ class ClientConnection:
         except Exception:  # pragma: no cover - a bug; keep serving others
             log.exception("connection failed")
         finally:
-            self._disarm()
-            self._stop_watching()
+            self._cancel_timer()
+            self._watching = False
             if self.phase is Phase.REFUSED:
                 await self._linger_then_close()
             self.abort() if self.gone else self.close()
@@ -322,7 +327,11 @@ class ClientConnection:
         if body is None:
             return None
         self._disarm()
-        return ClientRequest(event.method, origin_target(event.target), list(event.headers),
+        # The names lowercased as h11's Headers yields them, without its
+        # per-item Sequence iteration (raw_items() is one list comprehension).
+        headers = [(name if name.islower() else name.lower(), value)
+                   for name, value in event.headers.raw_items()]
+        return ClientRequest(event.method, origin_target(event.target), headers,
                              body, event.http_version, self.watch_client)
 
     async def _reject_unparsable(self, exc: h11.RemoteProtocolError) -> None:
@@ -369,6 +378,11 @@ class ClientConnection:
         conn = self.h11
         responder = Responder(self, head=request.method == b"HEAD")
         self._enter(Phase.HANDLING)
+        # No deadline while a handler runs (a generation may be long): the handle
+        # goes now, not at its time, so that a long stream holds no timer (the
+        # next phase arms one, far enough ahead that the phases after it find
+        # it in time).
+        self._cancel_timer()
         try:
             await self.handler(request, responder)
         except ClientGone:
@@ -386,17 +400,14 @@ class ClientConnection:
                 return False
             await responder.send_bytes(500, internal_error(speaks_anthropic(request.path)))
         finally:
+            self._watching = False
             if self.phase is Phase.HANDLING:
                 self.phase = Phase.IDLE  # the loop arms the idle timer next
-            self._cancel_watch_later()
         if not responder.ended:
             return False
         if self.phase in _FINAL or conn.our_state is not h11.DONE \
                 or conn.their_state is not h11.DONE:
             return False
-        if self._pending:
-            conn.receive_data(b"".join(self._pending))
-            self._pending.clear()
         return True
 
     async def _reject(self, status: int, message: str, kind: str,

@@ -120,6 +120,24 @@ class Responder:
             out.clear()
             self._wire.write(data)
 
+    def relay(self, pieces: list[bytes]) -> bool:
+        """The pieces one upstream read brought, written now; whether the client is slow.
+
+        ``buffer`` and ``flush`` in one call: a streamed token costs one
+        formatted chunk and one write (the head, when still unsent, goes with it).
+        """
+        wire = self._wire
+        if self._chunked and not self._out and len(pieces) == 1:
+            data = pieces[0]
+            if data:
+                self.bytes_out += len(data)
+                wire.write(b"%x\r\n%s\r\n" % (len(data), data))
+        else:
+            for piece in pieces:
+                self.buffer(piece)
+            self.flush()
+        return wire.write_buffer_size() > WRITE_HIGH_WATER
+
     async def write(self, data: bytes) -> None:
         self.buffer(data)
         self.flush()

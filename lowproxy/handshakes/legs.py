@@ -19,10 +19,13 @@ from .rules import (
     RESPONSES_PREFILL_DROPPED,
 )
 
+# Built once: json.dumps with separators builds an encoder on every call.
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
 
 def serialise(body: Body) -> bytes:
     # ensure_ascii keeps lone surrogates from a client's "\ud800" escapes encodable.
-    return json.dumps(body, separators=(",", ":")).encode()
+    return _COMPACT.encode(body).encode()
 
 
 def primed_prefill_body(body: Body, kv_transfer_params: Body | None,

@@ -38,10 +38,15 @@ def _finite_float(text: str) -> float:
     return number
 
 
+# Built once: json.loads with hooks builds a decoder and its scanner on every call.
+_DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
+
+
 def loads(raw: bytes) -> Any:
     """The JSON value in ``raw``; NotJson or TooDeep if it is not one to pass on."""
     try:
-        value = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+        # What json.loads does with bytes, on the decoder made once.
+        value = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except RecursionError:
         raise TooDeep() from None
     except ValueError:  # UnicodeDecodeError is a ValueError

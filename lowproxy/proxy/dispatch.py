@@ -366,12 +366,9 @@ class Dispatcher:
             if exchange.first_byte_ms is None:
                 exchange.first_byte_ms = exchange.elapsed_ms()
                 first_byte.observe(exchange.first_byte_ms / 1000.0)
-            for piece in pieces:
-                if surface is not None:
-                    piece = rewrite_events(surface, piece, cached or 0)
-                responder.buffer(piece)
-            responder.flush()
-            return responder.client_is_slow
+            if surface is not None:
+                pieces = [rewrite_events(surface, piece, cached or 0) for piece in pieces]
+            return responder.relay(pieces)
 
         try:
             await response.deliver_body(deliver, responder.wait_for_client)

@@ -1,9 +1,12 @@
 """Upstream: the side towards backends.
 
-``pool`` keeps httpcore's connections per endpoint and runs lowproxy's own h11
-cycle on them; ``stream`` is the asyncio network stream and the few httpcore
-internals it relies on; ``chunked`` decodes a chunked body while relaying it;
-``errors`` is the family of upstream failures.
+``pool`` keeps httpcore's connections per endpoint (reuse, retirement,
+retries); ``cycle`` is lowproxy's own request/response cycle on a connection's
+h11 state, parsed in the stream's callbacks; ``httpcore_internals`` names every
+httpcore internal the cycle relies on (pinned by
+tests/upstream/test_httpcore_fence.py); ``stream`` is the asyncio network
+stream; ``chunked`` decodes a chunked body while relaying it; ``errors`` is the
+family of upstream failures.
 """
 
 from .endpoint import Endpoint

@@ -46,6 +46,15 @@ class ChunkedDecoder:
 
     def feed(self, data: bytes) -> list[bytes]:
         """The body data carried by ``data`` (and what was left over before it)."""
+        if self._state == _SIZE and not self._buffer:
+            # A streamed token is one read holding exactly one whole chunk with a
+            # plain size line: checked as strictly as below, in one step.
+            end = data.find(b"\r\n", 0, MAX_LINE)
+            if end > 0 and _HEX.fullmatch(data, 0, end):
+                start = end + 2
+                stop = start + int(data[:end], 16)
+                if stop > start and len(data) == stop + 2 and data.endswith(b"\r\n"):
+                    return [data[start:stop]]
         buffer = self._buffer + data if self._buffer else data
         size = len(buffer)
         pos = 0
@@ -133,6 +142,10 @@ class ChunkedRelay:
         self.slow = False
         self.stray = False  # bytes arrived after the body ended
         self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.decoder.done
 
     def data_received(self, data: bytes) -> None:
         if self.error is not None:

@@ -6,12 +6,15 @@ endpoint without importing the pool that sends to it.
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 
+import h11
 import httpcore
 
 from ..config.settings import EndpointSpec
-from .stream import AsyncioStream, H11Client
+from .stream import AsyncioStream
 
 
 class Endpoint:
@@ -51,13 +54,17 @@ class Endpoint:
 class PooledConnection:
     """One upstream connection and what decides its retirement."""
 
-    __slots__ = ("http", "stream", "h11", "created", "generation", "requests")
+    __slots__ = ("http", "stream", "h11", "created", "generation", "requests", "idle_since",
+                 "on_idle_event")
 
     def __init__(self, http: httpcore.AsyncHTTP11Connection, stream: AsyncioStream,
-                 h11_state: H11Client, generation: int) -> None:
-        self.http = http
+                 h11_state: h11.Connection, generation: int,
+                 on_idle_event: Callable[[PooledConnection], None]) -> None:
+        self.http = http  # httpcore's connection: it owns the stream and the h11 state
         self.stream: AsyncioStream | None = stream
         self.h11 = h11_state
-        self.created = time.monotonic()
+        self.created = self.idle_since = time.monotonic()
         self.generation = generation
         self.requests = 0
+        # What the idle watch calls when anything arrives (made once per connection).
+        self.on_idle_event = functools.partial(on_idle_event, self)

@@ -1,16 +1,18 @@
-"""Upstream HTTP/1.1: httpcore connections in a pool per endpoint.
+"""Upstream HTTP/1.1: httpcore connections in a pool per endpoint, lowproxy's cycle on them.
 
 Each endpoint keeps its own idle connections. A connection goes back to the
-pool only when httpcore has seen both sides of its exchange DONE; anything else
-(a response read partly because the client left, an error) closes it. Pooled
-connections retire after ``upstream_max_requests`` requests or
-``upstream_max_age`` seconds, because kube-proxy balances connections, not
-requests: a connection that lived for ever would pin its share of traffic to
-one pod. A rotated CA file retires connections made under the old trust.
+pool only when both sides of its h11 state are DONE and nothing came past the
+response; anything else (a response read partly because the client left, an
+error, stray bytes) closes it. Pooled connections retire after
+``upstream_max_requests`` requests or ``upstream_max_age`` seconds, because
+kube-proxy balances connections, not requests: a connection that lived for
+ever would pin its share of traffic to one pod. A rotated CA file retires
+connections made under the old trust.
 
-httpcore is used below its pool: ``AsyncHTTP11Connection`` does the HTTP/1.1
-exchange over our asyncio-native stream (stream.py), and this module owns
-reuse, retirement and balancing, which httpcore's pool cannot express.
+httpcore owns each connection (httpcore_internals.py: it is built over our
+asyncio-native stream, stream.py, and keeps the h11 state); the request/
+response cycle on it is cycle.py's, and this module owns reuse,
+retirement and balancing, which httpcore's pool cannot express.
 """
 
 from __future__ import annotations
@@ -20,15 +22,24 @@ import functools
 import logging
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from typing import Protocol, cast
+from collections.abc import Awaitable, Callable, Iterable
 
+import h11
 import httpcore
 
 from ..config.settings import Config
 from ..headers import body_framing
 from ..tls import TrustStore, TrustUnavailable
 from .chunked import ChunkedError, ChunkedRelay, Deliver
+from .cycle import (
+    BodyError,
+    HeadError,
+    HeadReader,
+    Informational,
+    LengthRelay,
+    finish_chunked,
+    request_bytes,
+)
 from .endpoint import Endpoint, PooledConnection
 from .errors import (
     UpstreamClosed,
@@ -39,7 +50,8 @@ from .errors import (
     UpstreamUnreachable,
     UpstreamUntrusted,
 )
-from .stream import AsyncioBackend, AsyncioStream, Informational, http11_connection
+from .httpcore_internals import adopt
+from .stream import AsyncioBackend
 
 __all__ = ["Endpoint", "Upstream", "UpstreamResponse", "UpstreamError", "UpstreamClosed",
            "UpstreamNotRetried", "UpstreamProtocolError", "UpstreamTimeout",
@@ -54,16 +66,8 @@ MAX_IDLE_PER_ENDPOINT = 256
 # carrying an idempotency key (draft-ietf-httpapi-idempotency-key-header).
 REPLAYABLE_METHODS = frozenset({b"GET", b"HEAD", b"OPTIONS", b"TRACE"})
 IDEMPOTENCY_HEADERS = frozenset({b"idempotency-key", b"x-idempotency-key"})
-
-_SENT: tuple[bytes, ...] = ()  # an empty body, for requests already sent
-
-
-class _BodyStream(Protocol):
-    """What httpcore's HTTP11ConnectionByteStream offers (response.stream)."""
-
-    def __aiter__(self) -> AsyncIterator[bytes]: ...
-
-    async def aclose(self) -> None: ...
+_DONE = h11.DONE
+_NOTHING_TRAILING = (b"", False)
 
 
 class UpstreamResponse:
@@ -75,17 +79,19 @@ class UpstreamResponse:
     came after it.
     """
 
-    __slots__ = ("status", "headers", "endpoint", "_pooled", "_body", "_upstream",
+    __slots__ = ("status", "headers", "endpoint", "_pooled", "_head", "_upstream",
                  "_complete", "_closed", "_chunked")
 
     def __init__(self, upstream: Upstream, endpoint: Endpoint, pooled: PooledConnection,
-                 response: httpcore.Response, method: bytes) -> None:
-        self.status = response.status
-        headers: list[tuple[bytes, bytes]] = response.headers
+                 head: HeadReader, method: bytes) -> None:
+        response, head.response = head.response, None  # a long stream keeps no h11 event
+        assert response is not None, "made once the final head is in"
+        self.status = status = response.status_code
+        headers: list[tuple[bytes, bytes]] = response.headers.raw_items()
         self.endpoint = endpoint
         self._upstream = upstream
         self._pooled = pooled
-        self._body = cast(_BodyStream, response.stream)
+        self._head: HeadReader | None = head
         self._complete = False
         self._closed = False
         _, framed_by_te = body_framing(headers)
@@ -94,9 +100,9 @@ class UpstreamResponse:
             # and must not reach anyone who might frame the relayed body by it.
             headers = [(n, v) for n, v in headers if n.lower() != b"content-length"]
         self.headers = headers
-        # A chunked body (a stream) is decoded here, not by h11: see _relay_chunked.
-        self._chunked = (framed_by_te and method != b"HEAD" and self.status >= 200
-                         and self.status not in (204, 304))
+        # A chunked body (a stream) is decoded by ChunkedRelay, not by h11.
+        self._chunked = (framed_by_te and method != b"HEAD" and status >= 200
+                         and status not in (204, 304))
 
     async def deliver_body(self, deliver: Deliver,
                            wait_for_consumer: Callable[[], Awaitable[None]]) -> None:
@@ -104,43 +110,34 @@ class UpstreamResponse:
 
         ``deliver(pieces)`` gets the pieces one network read brought and answers
         whether its consumer is slow; then reading pauses until
-        ``wait_for_consumer()`` returns (back-pressure). Raises UpstreamError when
-        the backend breaks off, or whatever ``deliver`` raised.
+        ``wait_for_consumer()`` returns (back-pressure). The pieces are handed
+        over in the connection's data_received: a token costs no task wake-up.
+        Raises UpstreamError when the backend breaks off, or whatever
+        ``deliver`` raised.
         """
-        label = self.endpoint.label
+        pooled, head = self._pooled, self._head
+        assert head is not None, "the body is delivered once"
+        self._head = None  # nothing of the head is kept while the body streams
+        stream = pooled.stream
+        if stream is None:
+            raise UpstreamProtocolError(f"{self.endpoint.label}: the connection was closed",
+                                        self.endpoint)
+        relay: ChunkedRelay | LengthRelay
+        if self._chunked:
+            relay = ChunkedRelay(stream, deliver)
+        else:
+            relay = LengthRelay(pooled.h11, stream, deliver)
+        stream.set_sink(relay)
         try:
-            if self._chunked and self._pooled.stream is not None:
-                await self._relay_chunked(self._pooled.stream, deliver, wait_for_consumer)
-                return
-            async for chunk in self._body:
-                if deliver([chunk]):
-                    await wait_for_consumer()
-        except httpcore.TimeoutException as exc:
-            raise UpstreamTimeout(f"reading from {label}: {exc}", self.endpoint) from None
-        except (httpcore.NetworkError, httpcore.ProtocolError, ChunkedError) as exc:
-            raise UpstreamProtocolError(f"{label} broke off its response: "
-                                        f"{exc or type(exc).__name__}", self.endpoint) from None
-        self._complete = True
-
-    async def _relay_chunked(self, stream: AsyncioStream, deliver: Deliver,
-                             wait_for_consumer: Callable[[], Awaitable[None]]) -> None:
-        """A chunked body (a stream), decoded and delivered as each read arrives.
-
-        The decoding runs in the connection's data_received callback: a token
-        that arrives costs a find, a slice and one write to the client, with no
-        task to wake. h11 saw only the head (the stream was head_only); once the
-        last chunk is in, it is handed the bare terminating chunk and completes
-        the exchange as if it had read the body itself, so the connection pools
-        as usual.
-        """
-        relay = ChunkedRelay(stream, deliver)
-        pending = stream.attach(relay)
-        try:
-            if pending:
+            if not self._chunked:
+                relay.start()  # type: ignore[union-attr]
+            if head.rest:
+                pending, head.rest = head.rest, b""
                 relay.data_received(pending)
-            if stream.at_eof:
-                relay.connection_closed(None)
-            while relay.error is None and not relay.decoder.done:
+            if head.eof is not False:
+                relay.connection_closed(head.eof if head.eof is not True else None)
+            stream.resume_reading()  # the head reader may have paused it
+            while relay.error is None and not relay.done:
                 if relay.slow:
                     relay.slow = False
                     await wait_for_consumer()
@@ -150,12 +147,15 @@ class UpstreamResponse:
         finally:
             stream.detach()
         if relay.error is not None:
-            raise relay.error
-        if relay.decoder.leftover or relay.stray:
+            error = relay.error
+            if isinstance(error, (ChunkedError, BodyError)):
+                raise UpstreamProtocolError(f"{self.endpoint.label} broke off its response: "
+                                            f"{error}", self.endpoint) from None
+            raise error
+        if relay.stray or (self._chunked and relay.decoder.leftover):  # type: ignore
             return  # bytes after the body: delivered whole, but the connection retires
-        stream.inject(b"0\r\n\r\n")
-        async for _ in self._body:
-            raise httpcore.RemoteProtocolError("h11 saw body data after the head")
+        if self._chunked:
+            finish_chunked(pooled.h11)
         self._complete = True
 
     async def read(self, limit: int) -> bytes:
@@ -173,7 +173,7 @@ class UpstreamResponse:
             return False
 
         await self.deliver_body(collect, _never_waits)
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def aclose(self) -> None:
         if self._closed:
@@ -182,7 +182,7 @@ class UpstreamResponse:
             self.abandon()
             return
         self._closed = True
-        await self._upstream._finish(self.endpoint, self._pooled, self._body)
+        self._upstream._finish(self.endpoint, self._pooled)
 
     def abandon(self) -> None:
         """Close the connection now, unread: for responses that will not be relayed."""
@@ -226,21 +226,17 @@ class Upstream:
         (REPLAYABLE_METHODS, an idempotency key): otherwise the backend may have
         acted on it, and UpstreamNotRetried says so.
         """
-        wire_headers = [(b"host", endpoint.host_header)]
-        wire_headers.extend(headers)
-        wire_headers.extend(extra_headers)
+        wire_headers = [(b"host", endpoint.host_header), *headers, *extra_headers]
         if body is not None:
-            wire_headers.append((b"content-length", str(len(body)).encode()))
-        url = httpcore.URL(scheme=endpoint.origin.scheme, host=endpoint.origin.host,
-                           port=endpoint.port, target=endpoint.base_path + target)
-        request = httpcore.Request(method, url, headers=wire_headers,
-                                   content=body if body is not None else b"")
+            wire_headers.append((b"content-length", b"%d" % len(body)))
+        target = endpoint.base_path + target if endpoint.base_path else target
         endpoint.in_flight += 1
         try:
             pooled = self._checkout(endpoint)
             if pooled is not None:
                 try:
-                    return await self._send(endpoint, pooled, request, on_informational)
+                    return await self._send(endpoint, pooled, method, target, wire_headers,
+                                            body, on_informational)
                 except UpstreamClosed as exc:
                     if exc.request_sent and not _replayable(method, wire_headers):
                         raise UpstreamNotRetried(
@@ -248,45 +244,50 @@ class Upstream:
                             f"sent, before answering; not retried: "
                             f"{method.decode('ascii', 'replace')} is not idempotent and has no "
                             "idempotency-key", endpoint) from None
-                    log.debug("retrying on a new connection: %s", exc.detail)
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("retrying on a new connection: %s", exc.detail)
             pooled = await self._connect(endpoint)
-            return await self._send(endpoint, pooled, request, on_informational)
+            return await self._send(endpoint, pooled, method, target, wire_headers, body,
+                                    on_informational)
         except BaseException:
             endpoint.in_flight -= 1
             raise
 
-    async def _send(self, endpoint: Endpoint, pooled: PooledConnection, request: httpcore.Request,
+    async def _send(self, endpoint: Endpoint, pooled: PooledConnection, method: bytes,
+                    target: bytes, headers: list[tuple[bytes, bytes]], body: bytes | None,
                     on_informational: Informational | None) -> UpstreamResponse:
         """One request on one connection, up to the final head; closes it on failure."""
         stream = pooled.stream
         assert stream is not None, "a connection in use is open"
-        sent, received = stream.bytes_sent, stream.bytes_received
         pooled.requests += 1
-        pooled.h11.on_informational = on_informational
-        stream.head_only = True
+        head = HeadReader(pooled.h11, stream, on_informational)
+        received = stream.bytes_received
         try:
-            response = await pooled.http.handle_async_request(request)
-        except BaseException as exc:
+            pending = stream.attach(head)  # the idle watch, if any, ends here
+            if pending:
+                head.data_received(pending)
+            if not stream.send_now(request_bytes(pooled.h11, method, target, headers, body)):
+                raise UpstreamClosed(f"{endpoint.label} closed the connection before the "
+                                     "request, before answering", endpoint, request_sent=False)
+            if not head.done:
+                await head.wait()
+            if not head.final:
+                error = head.error
+                if error is None:  # the backend hung up before its head was whole
+                    cause = head.eof if head.eof is not True else "connection closed"
+                    if stream.bytes_received == received:
+                        raise UpstreamClosed(
+                            f"{endpoint.label} closed the connection after the request was "
+                            f"sent, before answering: {cause}", endpoint, request_sent=True)
+                    raise UpstreamProtocolError(f"{endpoint.label} broke off its response "
+                                                f"head: {cause}", endpoint)
+                if isinstance(error, HeadError):
+                    raise UpstreamProtocolError(f"{endpoint.label}: {error}", endpoint)
+                raise error
+        except BaseException:
             self._discard(endpoint, pooled)
-            if isinstance(exc, httpcore.TimeoutException):
-                raise UpstreamTimeout(f"{endpoint.label}: {exc}", endpoint) from None
-            if not isinstance(exc, (httpcore.RemoteProtocolError, httpcore.NetworkError)):
-                raise
-            cause = exc or type(exc).__name__
-            if stream.bytes_received == received:
-                was_sent = stream.bytes_sent != sent
-                raise UpstreamClosed(
-                    f"{endpoint.label} closed the connection "
-                    f"{'after the request was sent' if was_sent else 'before the request'}"
-                    f", before answering: {cause}", endpoint, request_sent=was_sent) from None
-            raise UpstreamProtocolError(f"{endpoint.label}: {cause}", endpoint) from None
-        finally:
-            pooled.h11.on_informational = None
-            stream.head_only = False
-        # The body is on the wire; httpcore keeps the request for the
-        # response's lifetime, and a stream must not keep the prompt.
-        request.stream = _SENT
-        return UpstreamResponse(self, endpoint, pooled, response, request.method)
+            raise
+        return UpstreamResponse(self, endpoint, pooled, head, method)
 
     # -- the pool
 
@@ -298,13 +299,12 @@ class Upstream:
         config = self.config
         while endpoint.idle:
             pooled = endpoint.idle.pop()
-            http = pooled.http
-            if (http.has_expired() or not http.is_available()
-                    or now - pooled.created >= config.upstream_max_age
-                    or pooled.generation != generation or pooled.stream is None):
+            stream = pooled.stream
+            if (stream is None or now - pooled.created >= config.upstream_max_age
+                    or now - pooled.idle_since >= config.upstream_idle
+                    or pooled.generation != generation or stream.readable_now()):
                 self._discard(endpoint, pooled)
                 continue
-            pooled.stream.detach()  # the idle watch ends: the exchange reads now
             return pooled
         return None
 
@@ -323,33 +323,34 @@ class Upstream:
                 ssl_context=ssl_context, server_hostname=endpoint.server_hostname)
         except (httpcore.ConnectTimeout, httpcore.ConnectError) as exc:
             raise UpstreamUnreachable(str(exc), endpoint) from None
-        http, h11_state = http11_connection(endpoint.origin, stream, self.config.upstream_idle)
+        http, h11_state = adopt(endpoint.origin, stream, self.config.upstream_idle)
         endpoint.open += 1
-        return PooledConnection(http, stream, h11_state, generation)
+        return PooledConnection(http, stream, h11_state, generation,
+                       functools.partial(self._drop_idle, endpoint))
 
-    async def _finish(self, endpoint: Endpoint, pooled: PooledConnection,
-                      body: _BodyStream) -> None:
-        """A response read to its end: pool its connection, or retire it."""
+    def _finish(self, endpoint: Endpoint, pooled: PooledConnection) -> None:
+        """A response read to its end: pool its connection, or retire it. Never suspends."""
         endpoint.in_flight -= 1
-        http = pooled.http
-        # httpcore marks the connection idle (both h11 sides DONE). This does
-        # not suspend: our lock never waits.
-        await body.aclose()
         config = self.config
         stream = pooled.stream
-        if (stream is not None and config.upstream_keepalive and http.is_idle()
-                and pooled.requests < config.upstream_max_requests
-                and time.monotonic() - pooled.created < config.upstream_max_age
-                and len(endpoint.idle) < MAX_IDLE_PER_ENDPOINT
+        state = pooled.h11
+        if (stream is not None and config.upstream_keepalive
+                and state.our_state is _DONE and state.their_state is _DONE
                 # h11 holds nothing past the response (a length-framed body
                 # read with more behind it in the same segment) ...
-                and pooled.h11.trailing_data == (b"", False)):
+                and state.trailing_data == _NOTHING_TRAILING
+                and pooled.requests < config.upstream_max_requests
+                and len(endpoint.idle) < MAX_IDLE_PER_ENDPOINT):
+            now = time.monotonic()
             # ... and nothing came after it. From now on, anything that comes
             # (stray bytes it owes nobody, its keep-alive FIN, a reset) drops
             # the connection as it arrives: stray bytes are never read as the
             # next answer (RFC 9112 section 9.3), and a close seen now is not a
             # request lost later.
-            if stream.watch_idle(functools.partial(self._drop_idle, endpoint, pooled)):
+            if (now - pooled.created < config.upstream_max_age
+                    and stream.watch_idle(pooled.on_idle_event)):
+                state.start_next_cycle()
+                pooled.idle_since = now
                 endpoint.idle.append(pooled)
                 return
         self._discard(endpoint, pooled)
@@ -378,8 +379,8 @@ class Upstream:
         for endpoint in endpoints:
             keep = []
             for pooled in endpoint.idle:
-                http = pooled.http
-                if http.has_expired() or now - pooled.created >= config.upstream_max_age:
+                if (now - pooled.idle_since >= config.upstream_idle
+                        or now - pooled.created >= config.upstream_max_age):
                     self._discard(endpoint, pooled)
                 else:
                     keep.append(pooled)

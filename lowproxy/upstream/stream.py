@@ -7,30 +7,28 @@ and reading pauses when the buffer passes a high-water mark, so a consumer that
 stops reading (a slow client downstream) pushes back on the backend through
 TCP instead of growing memory.
 
-http11_connection() builds the httpcore connection over such a stream, with
-the two private parts of httpcore replaced (a lock that never waits, an h11
-state that reports 1xx responses): tests/upstream/test_httpcore_fence.py pins both.
+httpcore's HTTP/1.1 connection is built over such a stream
+(httpcore_internals.py), and lowproxy's request/response cycle runs on it
+(cycle.py): the cycle's parsers are the stream's sink, called from
+data_received, so a response in one segment costs no read call and no wake-up
+but the one that hands over the whole head.
 """
 
 from __future__ import annotations
 
 import asyncio
-import re
 import select
 import socket
 import ssl
 from collections.abc import Callable
 from typing import Any
 
-import h11
 import httpcore
 
 from ..timeouts import deadline
 
 # Stop reading from the socket past this much unread data (back-pressure).
 READ_HIGH_WATER = 64 * 1024
-# h11 ends a head at the first empty line, with or without its CR.
-_BLANK_LINE = re.compile(rb"\n\r?\n")
 # Writes smaller than this wait for the next one or for the first read.
 WRITE_COALESCE = 64 * 1024
 
@@ -126,8 +124,7 @@ def _expire(future: asyncio.Future[None]) -> None:
 class AsyncioStream(httpcore.AsyncNetworkStream):
     """httpcore's network stream interface over one asyncio transport."""
 
-    __slots__ = ("_protocol", "_transport", "_unsent", "head_only", "_head_tail",
-                 "_injected", "bytes_sent")
+    __slots__ = ("_protocol", "_transport", "_unsent", "_fd", "bytes_sent")
 
     def __init__(self, protocol: _StreamProtocol) -> None:
         self._protocol = protocol
@@ -138,12 +135,8 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         # one segment when the response is first read. On loopback every send
         # also runs the peer's receive path, so a write saved is CPU saved.
         self._unsent: list[bytes] = []
-        # While set, a read returns nothing past the blank line that ends a
-        # response head, so h11 never holds body bytes and the body can be
-        # read from this stream directly (see UpstreamResponse._relay_chunked).
-        self.head_only = False
-        self._head_tail = b""
-        self._injected = b""
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else -1  # for readable_now()
         # Bytes handed to the transport, over the connection's life. Writes wait
         # in _unsent until the first read, so this, not httpcore's write calls,
         # says whether a request can have reached the backend.
@@ -190,6 +183,35 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
     def detach(self) -> None:
         self._protocol.sink = None
 
+    def set_sink(self, sink: Any) -> None:
+        """Hand arriving bytes to another sink; what is buffered stays buffered."""
+        self._protocol.sink = sink
+
+    def send_now(self, data: bytes) -> bool:
+        """One write, now (a whole request: nothing to coalesce it with).
+
+        False, with nothing sent, when the backend already hung up: the
+        request is then known not to have reached it.
+        """
+        if self._unsent:
+            self._send_unsent()
+        if self._protocol.eof or self._transport.is_closing():
+            return False
+        self.bytes_sent += len(data)
+        self._transport.write(data)
+        return True
+
+    def readable_now(self) -> bool:
+        """Whether anything came: buffered, EOF, or in the kernel not yet handed over.
+
+        For a pooled connection at checkout: whatever an idle HTTP/1.1
+        connection receives means the server closed it or wrote past its
+        answer, and the loop may not have run its callback yet.
+        """
+        protocol = self._protocol
+        return (protocol.eof or bool(protocol.chunks) or self._transport.is_closing()
+                or self._socket_readable())
+
     def watch_idle(self, on_event: Callable[[], None]) -> bool:
         """Call ``on_event`` once anything comes (bytes, EOF, a reset); until detach().
 
@@ -214,14 +236,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             protocol.reading_paused = False
             self._transport.resume_reading()
 
-    def inject(self, data: bytes) -> None:
-        """Bytes the next read returns before anything from the network."""
-        self._injected += data
-
     async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        if self._injected:
-            data, self._injected = self._injected, b""
-            return data
         protocol = self._protocol
         if self._unsent:
             self._send_unsent()
@@ -244,8 +259,6 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             chunks.clear()
             if rest:
                 chunks.append(rest)
-        if self.head_only:
-            data = self._up_to_head_end(data)
         protocol.size -= len(data)
         if protocol.reading_paused and protocol.size <= READ_HIGH_WATER // 4:
             protocol.reading_paused = False
@@ -268,20 +281,6 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
                 await self._wait("writer", timeout)
             except TimeoutError:
                 raise httpcore.WriteTimeout("timed out writing to upstream") from None
-
-    def _up_to_head_end(self, data: bytes) -> bytes:
-        """``data`` cut after the first blank line (h11's end of head); the rest kept."""
-        window = self._head_tail + data
-        match = _BLANK_LINE.search(window)
-        if match is None:
-            self._head_tail = window[-2:]
-            return data
-        self._head_tail = b""
-        cut = match.end() - (len(window) - len(data))
-        rest = data[cut:]
-        if rest:
-            self._protocol.chunks.insert(0, rest)
-        return data[:cut]
 
     def _send_unsent(self) -> None:
         unsent = self._unsent
@@ -312,12 +311,11 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
 
         poll(), not select(): select() fails for descriptors of 1024 and above.
         """
-        sock = self._transport.get_extra_info("socket")
-        if sock is None:
+        if self._fd < 0:
             return False
         try:
             poller = select.poll()
-            poller.register(sock.fileno(), select.POLLIN)
+            poller.register(self._fd, select.POLLIN)
             return bool(poller.poll(0))
         except (OSError, ValueError):  # closed meanwhile: unusable, so "readable"
             return True
@@ -337,62 +335,6 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         if info == "socket":
             return self._transport.get_extra_info("socket")
         return None
-
-
-# Called with (status, headers) for each 1xx response before the final one.
-Informational = Callable[[int, list[tuple[bytes, bytes]]], None]
-
-
-class _Exclusive:
-    """A lock that never waits.
-
-    httpcore guards each connection's state with an anyio lock because its own
-    pool may share a connection between tasks. Ours never does (one exchange
-    per connection at a time, by construction), and anyio's lock costs an
-    event-loop round trip per acquire, twice per request; it also suspends,
-    and closing a response must not (it runs in cancelled tasks' finally).
-    """
-
-    async def __aenter__(self) -> _Exclusive:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        return None
-
-
-_EXCLUSIVE = _Exclusive()
-
-
-class H11Client(h11.Connection):
-    """httpcore's h11 state machine, telling us of the 1xx responses it skips.
-
-    httpcore reads past informational responses (103 Early Hints) without a
-    word; a proxy must forward them (RFC 9110 section 15.2). h11 has parsed
-    and validated each one by the time next_event returns it.
-    """
-
-    def __init__(self) -> None:
-        super().__init__(our_role=h11.CLIENT, max_incomplete_event_size=httpcore
-                         .AsyncHTTP11Connection.MAX_INCOMPLETE_EVENT_SIZE)
-        self.on_informational: Informational | None = None
-
-    def next_event(self) -> Any:
-        event = super().next_event()
-        if (type(event) is h11.InformationalResponse and event.status_code != 101
-                and self.on_informational is not None):
-            self.on_informational(event.status_code, event.headers.raw_items())
-        return event
-
-
-def http11_connection(origin: httpcore.Origin, stream: AsyncioStream,
-                      keepalive_expiry: float | None
-                      ) -> tuple[httpcore.AsyncHTTP11Connection, H11Client]:
-    """httpcore's HTTP/1.1 connection over ``stream``, and the h11 state it parses with."""
-    http = httpcore.AsyncHTTP11Connection(origin, stream, keepalive_expiry=keepalive_expiry)
-    # Private httpcore attributes, pinned by tests/upstream/test_httpcore_fence.py.
-    http._state_lock = _EXCLUSIVE  # type: ignore[assignment]
-    state = http._h11_state = H11Client()
-    return http, state
 
 
 class AsyncioBackend(httpcore.AsyncNetworkBackend):

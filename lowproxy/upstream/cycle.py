@@ -1,0 +1,217 @@
+"""One request/response cycle on an upstream connection, driven on its h11 state.
+
+The connection is httpcore's (httpcore_internals.py); the cycle is lowproxy's:
+the request goes out as h11 serialises it (head, body, end: one write), and the
+response is parsed in the connection's data_received callback by the sinks
+here, so a response that arrives in one segment costs one task wake-up:
+
+- HeadReader cuts each head at its blank line and hands h11 exactly that, so
+  h11 never holds body bytes; 1xx heads go to a callback (RFC 9110 section
+  15.2), the final one wakes the waiting request; bytes after it are kept for
+  the body's relay.
+- LengthRelay feeds h11 a body it frames itself (Content-Length, no body, or
+  to the close) and delivers h11's Data events.
+- A chunked body goes through chunked.ChunkedRelay, which decodes it without
+  h11; h11 is then handed the bare terminating chunk, so its state completes
+  as if it had read the body itself.
+
+Nothing here suspends but ``wait``; what a callback raised is kept and raised
+again by the coroutine waiting on the cycle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable
+from typing import Any
+
+import h11
+
+from .chunked import Deliver
+from .httpcore_internals import MAX_HEAD_BYTES
+from .stream import READ_HIGH_WATER, AsyncioStream
+
+# h11 ends a head at the first empty line, with or without its CR.
+_BLANK_LINE = re.compile(rb"\n\r?\n")
+# Called with (status, headers) for each 1xx response before the final one.
+Informational = Callable[[int, list[tuple[bytes, bytes]]], None]
+Headers = list[tuple[bytes, bytes]]
+
+_Response = h11.Response
+_Informational = h11.InformationalResponse
+_Data = h11.Data
+_EndOfMessage = h11.EndOfMessage
+
+
+class HeadError(Exception):
+    """The backend's response head is broken, or too large."""
+
+
+class BodyError(Exception):
+    """The backend's body broke its framing, or ended before its end."""
+
+
+def request_bytes(state: h11.Connection, method: bytes, target: bytes, headers: Headers,
+                  body: bytes | None) -> bytes:
+    """The request as h11 serialises it: head, body and end, for one write."""
+    wire = state.send(h11.Request(method=method, target=target, headers=headers))
+    if body:
+        wire += state.send(h11.Data(data=body))
+    return wire + state.send(_EndOfMessage())
+
+
+class _Waiting:
+    """A sink a coroutine waits on until it is done, slow, or failed."""
+
+    _waiter: asyncio.Future[None] | None
+    stream: AsyncioStream
+
+    async def wait(self) -> None:
+        waiter = self._waiter = self.stream.loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class HeadReader(_Waiting):
+    """The connection's sink until the final response head is in (and its body relay
+    attaches: until then it keeps what comes after the head)."""
+
+    __slots__ = ("state", "stream", "on_informational", "response", "final", "error", "eof",
+                 "rest", "_buffer", "_searched", "_waiter")
+
+    def __init__(self, state: h11.Connection, stream: AsyncioStream,
+                 on_informational: Informational | None) -> None:
+        self.state = state
+        self.stream = stream
+        self.on_informational = on_informational
+        self.response: h11.Response | None = None  # taken by whoever reads the head
+        self.final = False  # the final head is in
+        self.error: BaseException | None = None
+        self.eof: BaseException | bool = False  # the backend hung up (True or its error)
+        self.rest = b""  # after the final head: the body's first bytes
+        self._buffer = b""
+        self._searched = 0
+        self._waiter = None
+
+    @property
+    def done(self) -> bool:
+        return self.final or self.error is not None or self.eof is not False
+
+    def data_received(self, data: bytes) -> None:
+        if self.final or self.error is not None:
+            self.rest += data
+            if len(self.rest) > READ_HIGH_WATER:
+                self.stream.pause_reading()  # the relay resumes it
+            return
+        buffer = self._buffer + data if self._buffer else data
+        position = self._searched
+        try:
+            while True:
+                match = _BLANK_LINE.search(buffer, position)
+                if match is None:
+                    if len(buffer) > MAX_HEAD_BYTES:
+                        raise HeadError(f"response head over {MAX_HEAD_BYTES} bytes")
+                    self._buffer = buffer
+                    self._searched = max(0, len(buffer) - 2)
+                    return
+                cut = match.end()
+                self.state.receive_data(buffer[:cut])
+                buffer, position = buffer[cut:], 0
+                event = self.state.next_event()
+                kind = type(event)
+                if kind is _Response:
+                    self.response = event  # type: ignore[assignment]
+                    self.final = True
+                    self.rest, self._buffer = buffer, b""
+                    break
+                if kind is _Informational:
+                    callback = self.on_informational
+                    if callback is not None and event.status_code != 101:  # type: ignore
+                        callback(event.status_code, event.headers.raw_items())  # type: ignore
+                elif event is not h11.NEED_DATA:
+                    raise HeadError(f"unexpected {kind.__name__} before the response head")
+        except h11.RemoteProtocolError as exc:
+            self.error = HeadError(str(exc) or "malformed response head")
+        except BaseException as exc:  # raised again by the waiting coroutine
+            self.error = exc
+        self._wake()
+
+    def connection_closed(self, exc: BaseException | None) -> None:
+        self.eof = exc if exc is not None else True
+        self._wake()
+
+
+class LengthRelay(_Waiting):
+    """A body h11 frames, fed to h11 as it arrives; its data delivered per read."""
+
+    __slots__ = ("state", "stream", "deliver", "done", "error", "slow", "stray", "_waiter")
+
+    def __init__(self, state: h11.Connection, stream: AsyncioStream, deliver: Deliver) -> None:
+        self.state = state
+        self.stream = stream
+        self.deliver = deliver
+        self.done = False
+        self.error: BaseException | None = None
+        self.slow = False
+        self.stray = False  # bytes arrived after the body ended
+        self._waiter = None
+
+    def start(self) -> None:
+        """Before any byte: a body h11 knows is empty (HEAD, 204, 304, length 0) ends now."""
+        self._events()
+
+    def data_received(self, data: bytes) -> None:
+        if self.error is not None:
+            return
+        if self.done:
+            self.stray = True
+            return
+        self.state.receive_data(data)
+        self._events()
+        if self.error is not None or self.slow or self.done:
+            self._wake()
+
+    def connection_closed(self, exc: BaseException | None) -> None:
+        if self.error is None and not self.done:
+            self.state.receive_data(b"")  # a body framed by the close ends here
+            self._events()
+            if self.error is None and not self.done:
+                self.error = BodyError(f"connection closed mid-body{f': {exc}' if exc else ''}")
+        self._wake()
+
+    def _events(self) -> None:
+        pieces: list[bytes] = []
+        state = self.state
+        try:
+            while True:
+                event: Any = state.next_event()
+                kind = type(event)
+                if kind is _Data:
+                    pieces.append(bytes(event.data))
+                elif kind is _EndOfMessage:
+                    self.done = True
+                    break
+                else:  # NEED_DATA
+                    break
+            if pieces and self.deliver(pieces):
+                self.slow = True
+                self.stream.pause_reading()
+        except h11.RemoteProtocolError as exc:
+            self.error = BodyError(str(exc) or "malformed body")
+        except BaseException as exc:  # raised again by the waiting coroutine
+            self.error = exc
+
+
+def finish_chunked(state: h11.Connection) -> None:
+    """h11 completes a chunked body it saw only the head of (ChunkedRelay read it)."""
+    state.receive_data(b"0\r\n\r\n")
+    if type(state.next_event()) is not _EndOfMessage:  # pragma: no cover - fenced
+        raise BodyError("h11 did not end the body at its last chunk")
