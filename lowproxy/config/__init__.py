@@ -1,6 +1,6 @@
 """Configuration: every setting, from flags and environment, checked at start.
 
-``settings`` declares the settings and builds the ``Config``, ``flags`` makes
+``table`` declares the settings, ``settings`` builds the ``Config``, ``flags`` makes
 their command-line flags, ``values`` parses one value (ports, durations,
 endpoint URLs, allow lists). A mistake stops the
 daemon at start with one line naming the setting.

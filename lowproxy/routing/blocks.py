@@ -41,6 +41,25 @@ class PromptBlocks(NamedTuple):
     chain: list[int]  # one hash per whole block, in order
     tokens: int       # estimated prompt tokens
     first: int        # crc32 of the first block (of the prompt, if shorter): cold placement
+    data: bytes = b""  # the rendered prompt
+    turns: int = 0    # messages up to the end of the first turn; 0: the whole prompt
+    block_bytes: int = 0
+
+    def opening(self) -> int:
+        """adler32 of the block that ends the conversation's first turn: it tells
+        conversations of one group apart, the same in every process (a hot
+        group's conversations are spread over its endpoints by it). Computed
+        only for such a group."""
+        data, end = self.data, len(self.data)
+        if self.turns:
+            end = 0
+            for _ in range(self.turns):
+                found = data.find(b"\1", end)
+                if found < 0:
+                    end = len(data)
+                    break
+                end = found + 1
+        return zlib.adler32(memoryview(data)[max(0, end - self.block_bytes):end])
 
 
 NO_BLOCKS = PromptBlocks([], 0, 0)
@@ -111,13 +130,31 @@ def chain_of(data: bytes, block_bytes: int) -> list[int]:
     return list(accumulate(map(hash, zip(blocks, _DEPTHS, strict=False)), xor))
 
 
+def _first_turn(surface: str, body: Mapping[str, Any]) -> int:
+    """How many rendered messages (each ends with SOH) a conversation's first turn
+    takes: the leading system messages and the first other one; 0 (the whole
+    prompt) for completions and token ids, each its own conversation."""
+    if surface not in ("chat", "messages", "responses"):
+        return 0
+    messages = body.get("input" if surface == "responses" else "messages")
+    turns = 1 + (surface == "messages" and body.get("system") is not None) \
+        + (surface == "responses" and body.get("instructions") is not None)
+    if isinstance(messages, list):
+        for message in messages:
+            if not isinstance(message, dict) or message.get("role") not in _LEADING:
+                break
+            turns += 1
+    return turns
+
+
 def prompt_blocks(surface: str, body: Mapping[str, Any], block_bytes: int) -> PromptBlocks:
     data = rendered(surface, body)
     if data is None:
         return NO_BLOCKS
     chain = chain_of(data, block_bytes)
     first = zlib.crc32(data[:block_bytes])
-    return PromptBlocks(chain, len(data) // TOKEN_BYTES + 1, first)
+    return PromptBlocks(chain, len(data) // TOKEN_BYTES + 1, first, data,
+                        _first_turn(surface, body), block_bytes)
 
 
 __all__ = ["NO_BLOCKS", "TOKEN_BYTES", "PromptBlocks", "chain_of", "prompt_blocks", "rendered"]

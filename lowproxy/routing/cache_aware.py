@@ -6,19 +6,24 @@ aged as its LRU would: a prompt's blocks are touched first block last, so a
 chain ages tail first, as vLLM evicts, and what an endpoint holds of a chain is
 always a prefix of it (the longest match is found by bisection).
 
-``choose`` picks, among the usable endpoints:
+``choose`` picks, among the usable endpoints, given in an order every replica
+computes alike (the prefix group's placed homes, placement.py, then the
+rendezvous order of the first block over the endpoint labels, ``ranked``):
 
-1. home: the endpoint holding the longest match; ties, and a prompt nobody
-   holds, go by rendezvous hashing of the first block over the endpoint
-   labels, so that replicas agree on cold placements without sharing state,
+1. home: among the placed homes (all endpoints for a group not placed), the
+   one holding the longest match; ties, and a prompt nobody holds, go by the
+   order, so that replicas agree on cold placements without sharing state,
    and an endpoint leaving moves only the prefixes it held;
 2. unless home is overloaded: each endpoint's work is its queued uncached
    tokens (the proxy's own estimate, or what the engine reported, whichever is
    more) plus this request's uncached tokens there; home keeps the request
    while its work stays within (1 + slack) x the least work plus an absolute
    allowance (a handful of requests is no imbalance), and while its prefill
-   legs in flight stay under LEG_ROOM x the mean plus one; otherwise the
-   least worked endpoint takes it (and from then on holds that prefix too).
+   legs in flight stay under LEG_ROOM x the mean plus one; otherwise the next
+   endpoint in the prefix's rendezvous order that is within those bounds takes
+   it (and from then on holds that prefix too). Spilling along the rendezvous
+   order rather than to the least worked endpoint makes replicas whose load
+   counts differ a little spill a prefix to the same place.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from typing import Mapping, NamedTuple, Sequence
 _MASK = (1 << 64) - 1
 # No endpoint takes more than this many times the mean prefill legs in flight
 # (plus one): hits cost little, and a hot prefix would pile on one engine.
-LEG_ROOM = 2.0
+LEG_ROOM = 3.0
 
 
 def mix64(value: int) -> int:
@@ -87,7 +92,8 @@ class PrefixIndex:
             held = self.held[label] = {}
         self.tick += 1
         base = self.tick << 20
-        held.update(zip(chain, range(base, base - len(chain), -1), strict=True))
+        # strict=False: the lengths are equal, and checking them costs per block.
+        held.update(zip(chain, range(base, base - len(chain), -1), strict=False))
         if len(held) > self.capacity + (self.capacity >> 2):
             kept = sorted(held.items(), key=itemgetter(1))[-self.capacity:]
             self.held[label] = dict(kept)
@@ -105,40 +111,70 @@ class Choice(NamedTuple):
     home: bool    # False: load sent it away from home
 
 
+def ranked(labels: Sequence[str], salts: Mapping[str, int], first: int) -> list[str]:
+    """``labels`` by rendezvous score for ``first`` (a block hash), best first: the
+    same order in every replica, so that replicas spill to the same place."""
+    return sorted(labels, key=lambda label: mix64(salts[label] ^ first), reverse=True)
+
+
 def rendezvous(labels: Sequence[str], salts: Mapping[str, int], first: int) -> str:
     """The label winning ``first`` (a block hash): highest mixed score."""
     return max(labels, key=lambda label: mix64(salts[label] ^ first))
 
 
-def choose(labels: Sequence[str], salts: Mapping[str, int], index: PrefixIndex,
-           chain: Sequence[int], tokens: int, block_tokens: int,
-           work: Mapping[str, float], slack: float, allowance: float,
-           first: int, legs: Mapping[str, int] | None = None) -> Choice:
-    """The endpoint for a prompt (see the module's docstring); ``labels`` not empty."""
-    matches = {label: index.match(label, chain) for label in labels}
-    longest = max(matches.values())
-    if longest:
-        held = [label for label in labels if matches[label] == longest]
-        # Ties by rendezvous too, not by load: replicas then agree on which copy
-        # of a spilled prefix to follow, and the other copy ages out.
-        home = held[0] if len(held) == 1 else rendezvous(held, salts, first)
-    else:
-        home = rendezvous(labels, salts, first)
+def choose(order: Sequence[str], index: PrefixIndex, chain: Sequence[int], tokens: int,
+           block_tokens: int, work: Mapping[str, float], slack: float, allowance: float,
+           legs: Mapping[str, int] | None = None, pinned: int = 0) -> Choice:
+    """The endpoint for a prompt (see the module's docstring).
 
-    total = {label: work.get(label, 0.0) + max(1, tokens - matches[label] * block_tokens)
-             for label in labels}
-    # Legs in flight are bounded too, as in bounded-load hashing: a hot prefix
-    # whose hits cost little would otherwise pile every request on one engine.
-    if legs:
-        cap = LEG_ROOM * (sum(legs.values()) + 1) / len(labels) + 1
-        fitting = [label for label in labels if legs.get(label, 0) + 1 <= cap]
-    else:
-        fitting = list(labels)
-    least = min(fitting, key=lambda label: (total[label], label != home))
-    if least == home or (home in fitting
-                         and total[home] <= (1.0 + slack) * total[least] + allowance):
-        return Choice(home, matches[home], True)
-    return Choice(least, matches[least], False)
+    ``order``: the usable labels, the prompt's placed homes first (placement.py),
+    then the rest in the rendezvous order of its first block (``ranked``); not
+    empty. ``pinned``: home is the longest match among the first ``pinned``
+    (the placed homes), 0: among all. One plain loop (issue 22 budgets 15 µs
+    for the whole routing of a request), cut short when a candidate holds the
+    whole prompt: none after it can hold more, and if it is within the bound
+    even were every other endpoint's match whole too, it is within the true one.
+    """
+    match, get = index.match, work.get
+    cap = LEG_ROOM * (sum(legs.values()) + 1) / len(order) + 1 if legs else 0.0
+    candidates = pinned or len(order)
+    whole = len(chain)
+    if whole:
+        for label in order[:candidates]:
+            if match(label, chain) == whole:
+                if legs and legs.get(label, 0) + 1 > cap:
+                    break
+                floor = max(1, tokens - whole * block_tokens)
+                least = min(get(other, 0.0) for other in order) + floor
+                if get(label, 0.0) + floor <= (1.0 + slack) * least + allowance:
+                    return Choice(label, whole, True)
+                break
+    home, longest, least = order[0], -1, float("inf")
+    rows = []
+    for position, label in enumerate(order):
+        matched = match(label, chain)
+        total = get(label, 0.0) + max(1, tokens - matched * block_tokens)
+        # Legs in flight are bounded too, as in bounded-load hashing: a hot prefix
+        # whose hits cost little would otherwise pile every request on one engine.
+        fits = not legs or legs.get(label, 0) + 1 <= cap
+        rows.append((label, matched, total, fits))
+        # Ties by order too, not by load: replicas then agree on which copy of
+        # a spilled prefix to follow, and the other copy ages out.
+        if position < candidates and matched > longest:
+            home, longest, home_row = label, matched, rows[-1]
+        if fits and total < least:
+            least = total
+    if least == float("inf"):  # none fits the legs bound: by work alone
+        rows = [(label, matched, total, True) for label, matched, total, _ in rows]
+        least = min(row[2] for row in rows)
+        home_row = next(row for row in rows if row[0] == home)
+    bound = (1.0 + slack) * least + allowance
+    if home_row[3] and home_row[2] <= bound:
+        return Choice(home, longest, True)
+    # Spill along the order, not to the least loaded: replicas whose loads
+    # differ a little still send a prefix's overflow to the same endpoint.
+    label, matched, _, _ = next(row for row in rows if row[3] and row[2] <= bound)
+    return Choice(label, matched, False)
 
 
-__all__ = ["Choice", "PrefixIndex", "choose", "label_salt", "mix64", "rendezvous"]
+__all__ = ["Choice", "PrefixIndex", "choose", "label_salt", "mix64", "ranked", "rendezvous"]

@@ -2,8 +2,9 @@
 
 One CacheRouter per proxy (per worker) owns what cache_aware.py's pure choice
 reads: a PrefixIndex of what was sent to each prefill and one of what each
-decode served, the uncached tokens queued on each prefill (added at the
-choice, released when the prefill leg ends) and the engines' own reports
+decode served, the Placement of the busiest prefix groups (placement.py),
+the uncached tokens queued on each prefill (added at the choice, released
+when the prefill leg ends) and the engines' own reports
 (engine_load.py). Settings: PD_PROXY_PREFIX_BLOCK_BYTES,
 PD_PROXY_PREFIX_CACHE_TOKENS, PD_PROXY_AFFINITY_SLACK,
 PD_PROXY_CACHE_ALLOWANCE_TOKENS, PD_PROXY_DECODE_FIRST_TOKENS and
@@ -23,11 +24,13 @@ from typing import Any, Mapping, Sequence
 
 from ..upstream.endpoint import Endpoint
 from .blocks import TOKEN_BYTES, PromptBlocks, prompt_blocks
-from .cache_aware import PrefixIndex, choose, label_salt
+from .cache_aware import PrefixIndex, choose, label_salt, mix64, ranked
 from .engine_load import EngineLoads
+from .placement import Placement
 
 KV_FULL = 0.98  # a decode whose KV cache is this full takes no preferred turn
 MEAN_COST_START = 512.0  # tokens per prefill leg before any was seen
+ORDERS_KEPT = 4096  # rendezvous orders remembered, by first block (a prefix group)
 
 
 class CacheRouter:
@@ -46,6 +49,11 @@ class CacheRouter:
         self.legs: dict[str, int] = {}  # prefill legs chosen, not ended, by label
         self.mean_cost = MEAN_COST_START  # of a prefill leg, to weigh an engine's queue
         self._salts: dict[str, int] = {}
+        # The rendezvous order of every prefill label, by first block: computing
+        # it costs a few µs, and popular prefixes come back all the time.
+        self._orders: dict[int, tuple[list[str], list[str]]] = {}
+        self.placement = Placement()
+        self._ordered: list[str] = []
         self._known: dict[int, tuple[Sequence[Endpoint], set[str]]] = {}
 
     def blocks(self, surface: str, body: Mapping[str, Any]) -> PromptBlocks:
@@ -65,6 +73,9 @@ class CacheRouter:
         if known is not None and known[0] is endpoints:
             return
         labels = {endpoint.label for endpoint in endpoints}
+        if role == "prefill":
+            self._ordered = [endpoint.label for endpoint in endpoints]
+            self._orders.clear()
         for label in index.labels():
             if label not in labels:
                 index.forget(label)
@@ -87,11 +98,29 @@ class CacheRouter:
                        ) -> tuple[Endpoint, float, str]:
         """(endpoint, its uncached tokens, reason: cache, cold or load); usable not empty."""
         by_label = {endpoint.label: endpoint for endpoint in usable}
-        labels = list(by_label)
-        work = {label: self._work(endpoint) for label, endpoint in by_label.items()}
-        picked = choose(labels, self._salt_of(labels), self.prefills, blocks.chain,
-                        blocks.tokens, self.block_tokens, work, self.slack, self.allowance,
-                        blocks.first, self.legs)
+        if not self._ordered:  # never pruned (bench/route_cost.py): the usable are all
+            self._ordered = list(by_label)
+        if self.engine is None:  # the proxy's own counts only (bench/route_cost.py)
+            work = {endpoint.label: queued for endpoint, queued in self.queued.items()}
+        else:
+            work = {label: self._work(endpoint) for label, endpoint in by_label.items()}
+        if blocks.chain:
+            placement = self.placement
+            placement.observe(blocks.first)
+            if placement.due():
+                self._orders.clear()  # placed homes first in each order: they moved
+                placement.assign(self._ordered, self._rendezvous, self.slack)
+        order, pinned = self._order(by_label, blocks.first)
+        if pinned > 1:
+            # A hot group on several endpoints: its conversations split among
+            # them by rendezvous of their first turn, alike in every replica
+            # (a later turn follows its match anyway).
+            parts, opening = order[:pinned], blocks.opening()
+            salts = self._salt_of(parts)
+            parts.sort(key=lambda label: mix64(salts[label] ^ opening), reverse=True)
+            order = parts + order[pinned:]
+        picked = choose(order, self.prefills, blocks.chain, blocks.tokens, self.block_tokens,
+                        work, self.slack, self.allowance, self.legs, pinned)
         endpoint = by_label[picked.label]
         cost = float(max(1, blocks.tokens - picked.matched * self.block_tokens))
         if blocks.chain:
@@ -101,6 +130,30 @@ class CacheRouter:
         self.mean_cost += (cost - self.mean_cost) / 16.0
         reason = "load" if not picked.home else "cache" if picked.matched else "cold"
         return endpoint, cost, reason
+
+    def _rendezvous(self, first: int) -> list[str]:
+        """The rendezvous order of every configured prefill for ``first``."""
+        return ranked(self._ordered, self._salt_of(self._ordered), first)
+
+    def _order(self, usable: Mapping[str, Endpoint], first: int) -> tuple[list[str], int]:
+        """The usable labels, the group's placed homes first, the rest in the
+        rendezvous order of ``first`` over every configured prefill (one leaving
+        keeps the others' order: it moves only its own prefixes); and how many
+        placed homes lead."""
+        known = self._orders.get(first)
+        if known is None:
+            order = ranked(self._ordered, self._salt_of(self._ordered), first)
+            placed = [label for label in self.placement.homes.get(first, ()) if label in order]
+            known = ([*placed, *(label for label in order if label not in placed)], placed)
+            if len(self._orders) >= ORDERS_KEPT:
+                self._orders.clear()  # a new set of popular prefixes fills it again
+            self._orders[first] = known
+        order, placed = known
+        # The usable are some of the configured (prune keeps _ordered so).
+        if len(usable) == len(order):
+            return order, len(placed)
+        return [label for label in order if label in usable], \
+            sum(1 for label in placed if label in usable)
 
     def release_prefill(self, endpoint: Endpoint, cost: float) -> None:
         legs = self.legs.get(endpoint.label, 0) - 1

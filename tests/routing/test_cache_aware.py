@@ -7,8 +7,9 @@ import subprocess
 import sys
 
 from lowproxy.routing.blocks import chain_of, prompt_blocks
-from lowproxy.routing.cache_aware import PrefixIndex, choose, label_salt, rendezvous
+from lowproxy.routing.cache_aware import PrefixIndex, choose, label_salt, ranked, rendezvous
 from lowproxy.routing.engine_load import parse_orca, parse_prometheus
+from lowproxy.routing.placement import Placement
 
 
 def chat(*texts: str) -> dict:
@@ -65,7 +66,7 @@ def test_home_keeps_a_hit_until_its_queue_is_out_of_bounds():
     salts = {"a": 1, "b": 2}
 
     def pick(work: dict) -> tuple:
-        picked = choose(["a", "b"], salts, index, chain, 600, 64, work, 0.25, 1000, 0)
+        picked = choose(ranked(["a", "b"], salts, 0), index, chain, 600, 64, work, 0.25, 1000)
         return picked.label, picked.home
 
     assert pick({}) == ("a", True)
@@ -92,3 +93,38 @@ def test_prometheus_of_vllm_and_sglang():
     sglang = 'sglang:num_queue_reqs{tp_rank="0"} 4\nsglang:token_usage{tp_rank="0"} 0.2\n'
     assert parse_prometheus(sglang) == {"waiting": 4.0, "kv_usage": 0.2}
     assert parse_prometheus("nothing here\n") == {}
+
+
+def test_placement_spreads_a_group_above_its_share_and_balances_the_rest():
+    labels = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
+    salts = {label: label_salt(label) for label in labels}
+    placement = Placement(every=50, decay=1.0)
+    for _ in range(16):
+        placement.observe(7)  # a hot group: a third of the requests
+    for group in range(100, 108):
+        for _ in range(4):
+            placement.observe(group)
+    placement.observe(200)  # seen once: noise, not placed (MIN_COUNT)
+    assert not placement.due()
+    placement.observe(201)
+    assert placement.due()
+    placement.assign(labels, lambda group: ranked(labels, salts, group), 0.25)
+    assert not placement.due() and 200 not in placement.homes
+    hot = placement.homes[7]  # 16 of 50 requests, 15.6 per endpoint at most: two
+    assert list(hot) == ranked(labels, salts, 7)[:2]
+    load = dict.fromkeys(labels, 0.0)
+    for group, homes in placement.homes.items():
+        for label in homes:
+            load[label] += (16 if group == 7 else 4) / len(homes)
+    assert len(placement.homes) == 9 and max(load.values()) <= 1.25 * 50 / 4
+
+
+def test_a_conversations_opening_is_the_same_every_turn_and_its_own():
+    system = {"role": "system", "content": "s" * 2000}
+    first = prompt_blocks("chat", {"messages": [system, {"role": "user", "content": "hi"}]}, 512)
+    later = prompt_blocks("chat", {"messages": [
+        system, {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "more"}]}, 512)
+    other = prompt_blocks("chat", {"messages": [system, {"role": "user", "content": "ho"}]}, 512)
+    assert first.opening() == later.opening() and first.opening() != other.opening()
+    assert first.first == other.first  # one group: the same system prompt

@@ -12,6 +12,8 @@ from lowproxy.config import Config
 from lowproxy.demo import DemoBackend
 from lowproxy.handshakes.planner import Generation, plan_generation
 from lowproxy.ids import Ids
+from lowproxy.routing.blocks import prompt_blocks
+from lowproxy.routing.cache_aware import label_salt, ranked
 
 CHAT = "/v1/chat/completions"
 ANSWER = "tok0 tok1 tok2 tok3 "  # the demo's answer to max_tokens 4
@@ -218,3 +220,101 @@ async def test_engine_metrics_are_read_used_and_a_silent_backend_tolerated():
             metrics = (await request(running.port, "GET", "/metrics")).body.decode()
             assert (f'lowproxy_endpoint_engine_load{{role="decode",endpoint="{dec[0].url}",'
                     f'metric="running"}} 40') in metrics
+
+
+async def test_two_proxies_spill_alike_along_the_rendezvous_order():
+    async with pd_backends(prefills=4) as (pre, dec):
+        urls = [backend.url for backend in pre]
+        salts = {url: label_salt(url) for url in urls}
+        busy = 0
+        # Prefixes whose home is the busy prefill, and where each goes next.
+        prompts = [system(n) for n in range(200)]
+        firsts = {prompt: prompt_blocks("chat", turns(prompt, "q"), 512).first
+                  for prompt in prompts}
+        mine = [p for p in prompts if ranked(urls, salts, firsts[p])[0] == urls[busy]][:8]
+        after = {p: urls.index(ranked(urls, salts, firsts[p])[1]) for p in mine}
+        assert len(set(after.values())) > 1  # a least-loaded spill would pick one
+        # The busy engine reports a long queue (another replica's requests, say):
+        # both proxies read it (/metrics, ORCA), neither of them sent it anything.
+        pre[busy].load.waiting = 60
+        async with proxy_for(pre, dec, health_interval=0.1) as one, \
+                proxy_for(pre, dec, health_interval=0.1) as two:
+            for running in (one, two):
+                await wait_until(lambda r=running: engine_load(r, "prefill", urls[busy],
+                                                               "waiting") == 60,
+                                 10, "the busy engine's queue read")
+            for prompt in mine:
+                for running in (one, two):
+                    reply = await running.request("POST", CHAT, turns(prompt, "q"))
+                    assert reply.status == 200
+            placed = homes(pre)
+            assert not posts(pre[busy])
+            for prompt in mine:
+                assert placed[prompt] == {after[prompt]}, prompt[:8]  # both proxies alike
+            for running in (one, two):
+                assert running.proxy.metrics.prefill_choice.get("load") == len(mine)
+
+
+async def test_two_proxies_taking_turns_place_busy_groups_alike_and_balanced():
+    async with pd_backends(prefills=4) as (pre, dec):
+        async with proxy_for(pre, dec) as one, proxy_for(pre, dec) as two:
+            groups = [system(n) for n in range(8)]
+            # 32 requests each (Placement assigns every 32), every group 4 times.
+            for round_ in range(4):
+                for prompt in groups:
+                    for running in (one, two):
+                        reply = await running.request(
+                            "POST", CHAT, turns(prompt, f"{round_} {running.port}"))
+                        assert reply.status == 200
+            placed = one.proxy.router.placement.homes
+            assert placed and placed == two.proxy.router.placement.homes
+            firsts = {prompt: prompt_blocks("chat", turns(prompt, "x"), 512).first
+                      for prompt in groups}
+            assert all(len(placed[firsts[prompt]]) == 1 for prompt in groups)
+            # Equal shares, (1 + 0.25) x the mean per endpoint: two groups each.
+            per = [sum(1 for prompt in groups if placed[firsts[prompt]][0] == backend.url)
+                   for backend in pre]
+            assert per == [2, 2, 2, 2]
+            for backend in pre:
+                backend.received.clear()
+            for prompt in groups:
+                for running in (one, two):
+                    reply = await running.request("POST", CHAT, turns(prompt, "more"))
+                    assert reply.status == 200
+            where = homes(pre)
+            for prompt in groups:  # both proxies sent it to its placed home
+                assert where[prompt] == {[b.url for b in pre].index(placed[firsts[prompt]][0])}
+
+
+async def test_an_endpoint_leaving_moves_only_its_own_placed_groups():
+    async with pd_backends(prefills=3) as (pre, dec):
+        async with proxy_for(pre, dec) as running:
+            router = running.proxy.router
+            groups = [system(n) for n in range(6)]
+            firsts = {prompt: prompt_blocks("chat", turns(prompt, "x"), 512).first
+                      for prompt in groups}
+            for round_ in range(6):  # 36 requests: placed once (every 32)
+                for prompt in groups:
+                    reply = await running.request("POST", CHAT, turns(prompt, f"r{round_}"))
+                    assert reply.status == 200
+            before = {prompt: router.placement.homes[firsts[prompt]] for prompt in groups}
+            assert all(len(where) == 1 for where in before.values())
+            urls = [backend.url for backend in pre]
+            gone = max(urls, key=lambda url: sum(where == (url,) for where in before.values()))
+            leaving = next(e for e in running.proxy.prefill.endpoints if e.label == gone)
+            running.proxy.prefill.remove(leaving, running.proxy.upstream)
+            for round_ in range(6):  # placed again, on two endpoints
+                for prompt in groups:
+                    reply = await running.request("POST", CHAT, turns(prompt, f"s{round_}"))
+                    assert reply.status == 200
+            for backend in pre:
+                backend.received.clear()
+            for prompt in groups:
+                reply = await running.request("POST", CHAT, turns(prompt, "t"))
+                assert reply.status == 200
+            where = homes(pre)
+            for prompt in groups:
+                after = router.placement.homes[firsts[prompt]]
+                assert gone not in after and where[prompt] == {urls.index(after[0])}
+                if before[prompt] != (gone,):
+                    assert after == before[prompt]  # stayed where its cache is
