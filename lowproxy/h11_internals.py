@@ -17,7 +17,7 @@ lowercases names and checks Content-Length and Transfer-Encoding under
 ``_parsed``), and the events go through ``Connection.send``, so h11's state
 machine, its framing and its keep-alive decisions are exactly as before.
 
-Relied on, each pinned by tests/test_h11_fence.py:
+Relied on, each pinned by tests/downstream/test_h11_fence.py:
 
 - ``Request``, ``Response`` and ``InformationalResponse`` take ``_parsed``;
   with it they skip the regexes and ``bytesify`` and keep everything else
