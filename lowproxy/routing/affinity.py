@@ -31,6 +31,8 @@ import bisect
 import hashlib
 from typing import Any, Collection, Iterator, Mapping, NamedTuple, Sequence
 
+from .prompts import Conversation, message_text, prompt_of
+
 PREFIX_KEY_BYTES = 4096
 TOKEN_ID_BYTES = 4  # a token-id prompt counts this many bytes per id (about one token of text)
 VIRTUAL_NODES = 64  # ring points per endpoint: spreads the keys evenly over few endpoints
@@ -50,16 +52,6 @@ def stable_hash(data: bytes) -> int:
 def utf8_len(text: str) -> int:
     # str.isascii() reads a flag CPython keeps: no scan for the common case.
     return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-
-
-def _text(content: Any) -> str:
-    """The text of a message content: a string, or the ``text`` of its parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(part["text"] for part in content
-                       if isinstance(part, dict) and isinstance(part.get("text"), str))
-    return ""
 
 
 class _Key:
@@ -88,7 +80,7 @@ def _conversation(system: Any, messages: Any) -> PromptFacts:
     key = _Key()
     size = 0
     if system is not None:
-        text = _text(system)
+        text = message_text(system)
         key.add("system", text)
         size += utf8_len(text)
     if not isinstance(messages, list):
@@ -99,7 +91,7 @@ def _conversation(system: Any, messages: Any) -> PromptFacts:
             continue
         role = message.get("role")
         role = role if isinstance(role, str) else ""
-        text = _text(message.get("content"))
+        text = message_text(message.get("content"))
         size += utf8_len(text)
         if keyed:
             key.add(role, text)
@@ -115,35 +107,18 @@ def _token_ids(ids: list[Any]) -> PromptFacts:
     return PromptFacts(key, TOKEN_ID_BYTES * len(ids))
 
 
-def _completion_prompt(prompt: Any) -> PromptFacts:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # one prompt in a list
+def prompt_facts(surface: str, body: Mapping[str, Any]) -> PromptFacts:
+    """The prefix key and prompt size of a generation request (routes.py surfaces)."""
+    prompt = prompt_of(surface, body)
+    if isinstance(prompt, Conversation):
+        return _conversation(prompt.system, prompt.messages)
     if isinstance(prompt, str):
         key = _Key()
         key.add("prompt", prompt)
         return PromptFacts(key.value(), utf8_len(prompt))
-    if isinstance(prompt, list) and prompt:
+    if isinstance(prompt, list):
         return _token_ids(prompt)
     return PromptFacts(None, None)  # several prompts: never handed off anyway
-
-
-def prompt_facts(surface: str, body: Mapping[str, Any]) -> PromptFacts:
-    """The prefix key and prompt size of a generation request (routes.py surfaces)."""
-    if surface == "chat":
-        return _conversation(None, body.get("messages"))
-    if surface == "completions":
-        return _completion_prompt(body.get("prompt"))
-    if surface == "messages":
-        return _conversation(body.get("system"), body.get("messages"))
-    if surface == "responses":
-        given = body.get("input")
-        if isinstance(given, str):
-            given = [{"role": "user", "content": given}]
-        return _conversation(body.get("instructions"), given)
-    if surface == "generate":
-        ids = body.get("token_ids")
-        return _token_ids(ids) if isinstance(ids, list) and ids else PromptFacts(None, None)
-    return PromptFacts(None, None)
 
 
 class Ring:

@@ -31,6 +31,8 @@ from itertools import accumulate
 from operator import xor
 from typing import Any, Mapping, NamedTuple
 
+from .prompts import Conversation, message_text, prompt_of
+
 TOKEN_BYTES = 4  # bytes of text per token, the estimate every figure here uses
 # One constant per depth: the same blocks at another depth make other keys.
 _DEPTHS = (lambda rng: tuple(rng.getrandbits(62) for _ in range(1 << 14)))(random.Random(22))
@@ -65,23 +67,14 @@ class PromptBlocks(NamedTuple):
 NO_BLOCKS = PromptBlocks([], 0, 0)
 
 
-def _text(content: Any) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(part["text"] for part in content
-                       if isinstance(part, dict) and isinstance(part.get("text"), str))
-    return ""
-
-
 def _conversation(system: Any, messages: Any) -> bytes:
-    parts = [f"system\0{_text(system)}\1"] if system is not None else []
+    parts = [f"system\0{message_text(system)}\1"] if system is not None else []
     if isinstance(messages, list):
         for message in messages:
             if isinstance(message, dict):
                 role = message.get("role")
                 parts.append(f"{role if isinstance(role, str) else ''}\0"
-                             f"{_text(message.get('content'))}\1")
+                             f"{message_text(message.get('content'))}\1")
     return "".join(parts).encode("utf-8", "surrogatepass")
 
 
@@ -96,25 +89,13 @@ def _ids(ids: list[Any]) -> bytes | None:
 
 def rendered(surface: str, body: Mapping[str, Any]) -> bytes | None:
     """The prompt bytes blocks are cut from; None for a shape with no prompt."""
-    if surface == "chat":
-        return _conversation(None, body.get("messages"))
-    if surface == "messages":
-        return _conversation(body.get("system"), body.get("messages"))
-    if surface == "responses":
-        given = body.get("input")
-        if isinstance(given, str):
-            given = [{"role": "user", "content": given}]
-        return _conversation(body.get("instructions"), given)
-    if surface == "completions":
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        if isinstance(prompt, str):
-            return prompt.encode("utf-8", "surrogatepass")
-        return _ids(prompt) if isinstance(prompt, list) and prompt else None
-    if surface == "generate":
-        ids = body.get("token_ids")
-        return _ids(ids) if isinstance(ids, list) and ids else None
+    prompt = prompt_of(surface, body)
+    if isinstance(prompt, Conversation):
+        return _conversation(prompt.system, prompt.messages)
+    if isinstance(prompt, str):
+        return prompt.encode("utf-8", "surrogatepass")
+    if isinstance(prompt, list):
+        return _ids(prompt)
     return None
 
 
