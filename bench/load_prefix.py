@@ -19,6 +19,7 @@ without a prefill leg and the prefill tokens saved.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import subprocess
@@ -208,25 +209,74 @@ def run_cell(router: tuple[str, dict[str, str]], name: str, prefills: int, repli
             stop(proc)
 
 
-def run(command: list[str]) -> list[dict[str, Any]]:
+def run(command: list[str], traces: tuple[str, ...] = TRACES,
+        prefills_of: tuple[int, ...] = PREFILLS, replicas_of: tuple[int, ...] = REPLICAS,
+        routers: tuple[str, ...] = ("cache-aware", "round-robin"),
+        decode_first: bool = True) -> list[dict[str, Any]]:
     rows = []
-    for name in TRACES:
-        for prefills in PREFILLS:
+    for name in traces:
+        for prefills in prefills_of:
             first = None
             for router in ROUTERS:
-                for replicas in REPLICAS:
+                if router[0] not in routers:
+                    continue
+                for replicas in replicas_of:
                     row = run_cell(router, name, prefills, replicas, command)
                     first = first or row
                     rows.append(row)
-            rows.append({"router": "one big cache", "trace": name, "prefills": prefills,
-                         "replicas": None, "hit_rate": reference_hit_rate(
-                             first["sent"], CACHE_BLOCKS * prefills),
-                         "spread": None, "wall": None})
-    for replicas in REPLICAS:
-        rows.append(run_cell(DECODE_FIRST, "chat", 2, replicas, command))
+            if first is not None:
+                rows.append({"router": "one big cache", "trace": name, "prefills": prefills,
+                             "replicas": None, "hit_rate": reference_hit_rate(
+                                 first["sent"], CACHE_BLOCKS * prefills),
+                             "spread": None, "wall": None})
+    if decode_first:
+        for replicas in replicas_of:
+            rows.append(run_cell(DECODE_FIRST, "chat", 2, replicas, command))
     for row in rows:
         row.pop("sent", None)
     return rows
+
+
+def medians(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per cell, each figure the median of the runs (the rows line up)."""
+    out = []
+    for cells in zip(*runs, strict=True):
+        row = dict(cells[0])
+        for key in ("hit_rate", "spread", "wall", "decode_first", "tokens_saved"):
+            values = sorted(cell[key] for cell in cells if cell.get(key) is not None)
+            if values:
+                row[key] = values[len(values) // 2] if len(values) % 2 else \
+                    (values[len(values) // 2 - 1] + values[len(values) // 2]) / 2
+        out.append(row)
+    return out
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The README's table: per trace and prefills, cache-aware beside round robin."""
+    def cell(trace_name: str, prefills: int, router: str, replicas: int | None,
+             key: str, form: str) -> str:
+        for r in rows:
+            if (r["trace"], r["prefills"], r["router"], r["replicas"]) == \
+                    (trace_name, prefills, router, replicas) and r.get(key) is not None:
+                return format(r[key], form)
+        return "–"
+    lines = ["| trace, prefills | one big cache | cache-aware, 1 / 2 replicas | "
+             "round robin, 1 / 2 | spread, cache-aware 1 / 2 | wall, cache-aware 1 / 2 | "
+             "wall, round robin 1 / 2 |", "|---|---|---|---|---|---|---|"]
+    for name in TRACES:
+        for prefills in PREFILLS:
+            if not any(r["trace"] == name and r["prefills"] == prefills for r in rows):
+                continue
+            both = [(router, key, form) for router, key, form in (
+                ("cache-aware", "hit_rate", ".1%"), ("round-robin", "hit_rate", ".1%"),
+                ("cache-aware", "spread", ".2f"), ("cache-aware", "wall", ".2f"),
+                ("round-robin", "wall", ".2f"))]
+            figures = [" / ".join(cell(name, prefills, router, n, key, form)
+                                  for n in REPLICAS) for router, key, form in both]
+            lines.append(f"| {name}, {prefills} | "
+                         f"{cell(name, prefills, 'one big cache', None, 'hit_rate', '.1%')} | "
+                         + " | ".join(figures) + " |")
+    return "\n".join(lines)
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -245,5 +295,35 @@ def render(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def main() -> None:
+    """Single cells while iterating, and the README's table (medians of --repeat runs)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", action="append", choices=TRACES)
+    parser.add_argument("--prefills", action="append", type=int, choices=PREFILLS)
+    parser.add_argument("--replicas", action="append", type=int, choices=REPLICAS)
+    parser.add_argument("--router", action="append", choices=("cache-aware", "round-robin"))
+    parser.add_argument("--no-decode-first", action="store_true")
+    parser.add_argument("--repeat", type=int, default=1, help="medians of this many runs")
+    parser.add_argument("--markdown", action="store_true", help="also the README's table")
+    parser.add_argument("--choices", action="store_true", help="also the choice reasons")
+    args = parser.parse_args()
+    runs = []
+    for _ in range(args.repeat):
+        runs.append(run([sys.executable, "-m", "lowproxy"], tuple(args.trace or TRACES),
+                        tuple(args.prefills or PREFILLS), tuple(args.replicas or REPLICAS),
+                        tuple(args.router or ("cache-aware", "round-robin")),
+                        not args.no_decode_first))
+        if args.repeat > 1:
+            print(render(runs[-1]), file=sys.stderr, flush=True)
+    rows = medians(runs)
+    print(render(rows))
+    if args.choices:
+        for r in rows:
+            if r.get("choices"):
+                print(r["trace"], r["prefills"], r["router"], r["replicas"], r["choices"])
+    if args.markdown:
+        print(markdown(rows))
+
+
 if __name__ == "__main__":
-    print(render(run([sys.executable, "-m", "lowproxy"])))
+    main()
