@@ -44,7 +44,8 @@ class PromptBlocks(NamedTuple):
     tokens: int       # estimated prompt tokens
     first: int        # crc32 of the first block (of the prompt, if shorter): cold placement
     data: bytes = b""  # the rendered prompt
-    turns: int = 0    # messages up to the end of the first turn; 0: the whole prompt
+    surface: str = ""  # and where it came from, for ``opening``
+    body: Any = None
     block_bytes: int = 0
 
     def opening(self) -> int:
@@ -53,9 +54,10 @@ class PromptBlocks(NamedTuple):
         group's conversations are spread over its endpoints by it). Computed
         only for such a group."""
         data, end = self.data, len(self.data)
-        if self.turns:
+        turns = _first_turn(self.surface, self.body) if self.body is not None else 0
+        if turns:
             end = 0
-            for _ in range(self.turns):
+            for _ in range(turns):
                 found = data.find(b"\1", end)
                 if found < 0:
                     end = len(data)
@@ -68,13 +70,15 @@ NO_BLOCKS = PromptBlocks([], 0, 0)
 
 
 def _conversation(system: Any, messages: Any) -> bytes:
-    parts = [f"system\0{message_text(system)}\1"] if system is not None else []
+    # Pieces joined once (no per-message string holding a copy of its text).
+    parts = ["system", "\0", message_text(system), "\1"] if system is not None else []
     if isinstance(messages, list):
+        add = parts.extend
         for message in messages:
             if isinstance(message, dict):
                 role = message.get("role")
-                parts.append(f"{role if isinstance(role, str) else ''}\0"
-                             f"{message_text(message.get('content'))}\1")
+                add((role if isinstance(role, str) else "", "\0",
+                     message_text(message.get("content")), "\1"))
     return "".join(parts).encode("utf-8", "surrogatepass")
 
 
@@ -134,8 +138,8 @@ def prompt_blocks(surface: str, body: Mapping[str, Any], block_bytes: int) -> Pr
         return NO_BLOCKS
     chain = chain_of(data, block_bytes)
     first = zlib.crc32(data[:block_bytes])
-    return PromptBlocks(chain, len(data) // TOKEN_BYTES + 1, first, data,
-                        _first_turn(surface, body), block_bytes)
+    return PromptBlocks(chain, len(data) // TOKEN_BYTES + 1, first, data, surface, body,
+                        block_bytes)
 
 
 __all__ = ["NO_BLOCKS", "TOKEN_BYTES", "PromptBlocks", "chain_of", "prompt_blocks", "rendered"]

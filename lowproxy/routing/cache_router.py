@@ -52,6 +52,7 @@ class CacheRouter:
         # The rendezvous order of every prefill label, by first block: computing
         # it costs a few µs, and popular prefixes come back all the time.
         self._orders: dict[int, tuple[list[str], list[str]]] = {}
+        self._ranks: dict[int, list[str]] = {}  # the rendezvous order alone, by first block
         self.placement = Placement()
         self._ordered: list[str] = []
         self._known: dict[int, tuple[Sequence[Endpoint], set[str]]] = {}
@@ -76,6 +77,7 @@ class CacheRouter:
         if role == "prefill":
             self._ordered = [endpoint.label for endpoint in endpoints]
             self._orders.clear()
+            self._ranks.clear()
         for label in index.labels():
             if label not in labels:
                 index.forget(label)
@@ -101,16 +103,26 @@ class CacheRouter:
         if not self._ordered:  # never pruned (bench/route_cost.py): the usable are all
             self._ordered = list(by_label)
         if self.engine is None:  # the proxy's own counts only (bench/route_cost.py)
-            work = {endpoint.label: queued for endpoint, queued in self.queued.items()}
+            queued = self.queued.get
+            work = {label: queued(endpoint, 0.0) for label, endpoint in by_label.items()}
         else:
             work = {label: self._work(endpoint) for label, endpoint in by_label.items()}
-        if blocks.chain:
+        chain, first = blocks.chain, blocks.first
+        if chain:
             placement = self.placement
-            placement.observe(blocks.first)
-            if placement.due():
-                self._orders.clear()  # placed homes first in each order: they moved
+            placement.observe(first)
+            if placement.seen >= placement.every:
+                before = placement.homes
                 placement.assign(self._ordered, self._rendezvous, self.slack)
-        order, pinned = self._order(by_label, blocks.first)
+                after, orders = placement.homes, self._orders
+                for group in before.keys() | after.keys():
+                    if before.get(group) != after.get(group):
+                        orders.pop(group, None)  # placed homes lead its order: they moved
+        known = self._orders.get(first)
+        if known is not None and len(known[0]) == len(by_label):
+            order, pinned = known[0], len(known[1])  # every configured one usable
+        else:
+            order, pinned = self._order(by_label, first)
         if pinned > 1:
             # A hot group on several endpoints: its conversations split among
             # them by rendezvous of their first turn, alike in every replica
@@ -119,21 +131,30 @@ class CacheRouter:
             salts = self._salt_of(parts)
             parts.sort(key=lambda label: mix64(salts[label] ^ opening), reverse=True)
             order = parts + order[pinned:]
-        picked = choose(order, self.prefills, blocks.chain, blocks.tokens, self.block_tokens,
-                        work, self.slack, self.allowance, self.legs, pinned)
-        endpoint = by_label[picked.label]
-        cost = float(max(1, blocks.tokens - picked.matched * self.block_tokens))
-        if blocks.chain:
-            self.prefills.record(picked.label, blocks.chain)
-        self.queued[endpoint] = self.queued.get(endpoint, 0.0) + cost
-        self.legs[picked.label] = self.legs.get(picked.label, 0) + 1
+        label, matched, home = choose(order, self.prefills, chain, blocks.tokens,
+                                      self.block_tokens, work, self.slack, self.allowance,
+                                      self.legs, pinned)
+        endpoint = by_label[label]
+        cost = float(max(1, blocks.tokens - matched * self.block_tokens))
+        if chain:
+            self.prefills.record(label, chain)
+        queued_now = self.queued
+        queued_now[endpoint] = queued_now.get(endpoint, 0.0) + cost
+        legs = self.legs
+        legs[label] = legs.get(label, 0) + 1
         self.mean_cost += (cost - self.mean_cost) / 16.0
-        reason = "load" if not picked.home else "cache" if picked.matched else "cold"
-        return endpoint, cost, reason
+        return endpoint, cost, "load" if not home else "cache" if matched else "cold"
 
     def _rendezvous(self, first: int) -> list[str]:
-        """The rendezvous order of every configured prefill for ``first``."""
-        return ranked(self._ordered, self._salt_of(self._ordered), first)
+        """The rendezvous order of every configured prefill for ``first`` (kept:
+        computing it costs a few µs, and popular prefixes come back all the time)."""
+        rank = self._ranks.get(first)
+        if rank is None:
+            if len(self._ranks) >= ORDERS_KEPT:
+                self._ranks.clear()  # a new set of popular prefixes fills it again
+            rank = self._ranks[first] = ranked(self._ordered, self._salt_of(self._ordered),
+                                               first)
+        return rank
 
     def _order(self, usable: Mapping[str, Endpoint], first: int) -> tuple[list[str], int]:
         """The usable labels, the group's placed homes first, the rest in the
@@ -142,7 +163,7 @@ class CacheRouter:
         placed homes lead."""
         known = self._orders.get(first)
         if known is None:
-            order = ranked(self._ordered, self._salt_of(self._ordered), first)
+            order = self._rendezvous(first)
             placed = [label for label in self.placement.homes.get(first, ()) if label in order]
             known = ([*placed, *(label for label in order if label not in placed)], placed)
             if len(self._orders) >= ORDERS_KEPT:
@@ -185,13 +206,17 @@ class CacheRouter:
         when its load allows; (None, None): the usual least-loaded pick."""
         if len(usable) < 2:
             return (usable[0], self._lacks(usable[0], blocks)) if usable else (None, None)
-        loads = {endpoint: self._decode_load(endpoint) for endpoint in usable}
+        if self.engine is None:  # the proxy's own counts only (bench/route_cost.py)
+            loads = {endpoint: float(endpoint.in_flight) for endpoint in usable}
+        else:
+            loads = {endpoint: self._decode_load(endpoint) for endpoint in usable}
         least = min(loads.values())
-        if not blocks.chain:
+        chain = blocks.chain
+        if not chain:
             return self._least_reported(usable, loads, least), None
-        best, longest = None, 0
+        best, longest, match = None, 0, self.decodes.match
         for endpoint in usable:
-            matched = self.decodes.match(endpoint.label, blocks.chain)
+            matched = match(endpoint.label, chain)
             if matched > longest or (matched == longest and best is not None
                                      and matched and loads[endpoint] < loads[best]):
                 best, longest = endpoint, matched
