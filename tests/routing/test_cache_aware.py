@@ -3,6 +3,7 @@ engines' load reports."""
 
 from __future__ import annotations
 
+import random
 import subprocess
 import sys
 
@@ -128,3 +129,47 @@ def test_a_conversations_opening_is_the_same_every_turn_and_its_own():
     other = prompt_blocks("chat", {"messages": [system, {"role": "user", "content": "ho"}]}, 512)
     assert first.opening() == later.opening() and first.opening() != other.opening()
     assert first.first == other.first  # one group: the same system prompt
+
+
+def _choose_by_full_scan(order: list, index: PrefixIndex, chain: list, tokens: int,
+                         block_tokens: int, work: dict, slack: float, allowance: float,
+                         legs: dict, pinned: int) -> tuple:
+    """choose() as it read before its shortcut: every endpoint matched and compared."""
+    cap = 3.0 * (sum(legs.values()) + 1) / len(order) + 1 if legs else 0.0
+    candidates = pinned or len(order)
+    rows, home, longest = [], order[0], -1
+    for position, label in enumerate(order):
+        matched = index.match(label, chain)
+        total = work.get(label, 0.0) + max(1, tokens - matched * block_tokens)
+        rows.append((label, matched, total, not legs or legs.get(label, 0) + 1 <= cap))
+        if position < candidates and matched > longest:
+            home, longest = label, matched
+    if not any(row[3] for row in rows):
+        rows = [(label, matched, total, True) for label, matched, total, _ in rows]
+    bound = (1.0 + slack) * min(row[2] for row in rows if row[3]) + allowance
+    home_row = next(row for row in rows if row[0] == home)
+    if home_row[3] and home_row[2] <= bound:
+        return home, longest, True
+    label, matched, _, _ = next(row for row in rows if row[3] and row[2] <= bound)
+    return label, matched, False
+
+
+def test_the_shortcut_choice_is_the_full_comparisons_choice():
+    rng = random.Random(22)
+    labels = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
+    prompts = [chain_of(bytes([n]) * 256 * rng.randint(1, 12), 256) for n in range(12)]
+    for _ in range(3000):
+        index = PrefixIndex(40)
+        for _ in range(rng.randint(0, 8)):
+            index.record(rng.choice(labels), rng.choice(prompts)[:rng.randint(1, 12)])
+        order = rng.sample(labels, rng.randint(1, 4))
+        chain = rng.choice(prompts)
+        tokens = len(chain) * 64 + rng.randint(0, 63)
+        # Every label's work, as the router passes it, or only some (missing: none queued).
+        work = {label: float(rng.choice((0, 100, 2000, 9000))) for label in order
+                if rng.random() < 0.8}
+        legs = {label: rng.randint(0, 6) for label in order if rng.random() < 0.7}
+        pinned = rng.randint(0, len(order))
+        args = (order, index, chain, tokens, 64, work, 0.25, rng.choice((0.0, 1000.0, 4096.0)),
+                legs, pinned)
+        assert tuple(choose(*args)) == _choose_by_full_scan(*args)
