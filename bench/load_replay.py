@@ -1,0 +1,171 @@
+"""The prefix traces replayed offline through CacheRouter, in one process, in seconds.
+
+``python bench/load_replay.py`` runs the traces of load_trace.py (seeds with
+``--seeds``) through 1 or 2 CacheRouter replicas taking turns, to emulated
+prefills (the demo's block prefix cache, one request at a time each, 15 µs per
+uncached token plus a fixed 1.5 ms a leg) at 16 in flight, with the engines'
+queues reported to every replica each second and to the sender on each answer
+(as ORCA does). No sockets and no timing noise: the same seed gives the same
+figures, so a routing change can be judged on many seeds before bench/load.py
+measures it on real processes (where the ports, so the rendezvous orders, and
+the timing differ each run). Figures: hit rate minus the one-big-cache
+reference's, spread (max / mean prefill legs), wall time of the emulation.
+
+``--share-index`` and ``--share-placement`` give the replicas one PrefixIndex
+or one Placement: what the replicas' disagreement on each costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import heapq
+import itertools
+import json
+import os
+import statistics
+import sys
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from load_trace import prompt_tokens, reference_hit_rate, trace  # noqa: E402
+
+from lowproxy.config import Config, parse_endpoint  # noqa: E402
+from lowproxy.demo.kv import PrefixCache  # noqa: E402
+from lowproxy.routing.cache_router import CacheRouter  # noqa: E402
+
+US_PER_TOKEN = 15e-6
+LEG_SECONDS = 0.0015  # what a prefill leg costs beyond its tokens
+DECODE_SECONDS = 0.004
+BLOCKS = 700  # per emulated prefill, as bench/load_prefix.py
+IN_FLIGHT = 16
+REPORT_SECONDS = 1.0  # /metrics read by every replica
+
+
+class Reports:
+    """What the engines reported, as a replica's EngineLoads answers it."""
+
+    def __init__(self) -> None:
+        self.values: dict[tuple[str, str], float] = {}
+
+    def get(self, endpoint: Any, field: str) -> float | None:
+        return self.values.get((endpoint.label, field))
+
+
+def replay(name: str, prefills: int, replicas: int, seed: int, share_index: bool = False,
+           share_placement: bool = False) -> tuple[float, float, float, float]:
+    """(hit rate, spread, wall seconds, the one-big-cache reference's hit rate)."""
+    conversations = trace(name, seed)
+    config = dataclasses.replace(Config(), prefix_cache_tokens=BLOCKS * 16)
+    endpoints = [parse_endpoint(f"http://127.0.0.1:{9000 + i}") for i in range(prefills)]
+    routers = [CacheRouter(config, Reports()) for _ in range(replicas)]  # type: ignore[arg-type]
+    for router in routers:
+        router.prune("prefill", endpoints)
+        if share_index:
+            router.prefills = routers[0].prefills
+        if share_placement:
+            router.placement = routers[0].placement
+    caches = [PrefixCache(16, BLOCKS) for _ in endpoints]
+    queues: list[collections.deque] = [collections.deque() for _ in endpoints]
+    busy = [False] * prefills
+    legs = [0] * prefills
+    ready = collections.deque((conversation, 0) for conversation in conversations)
+    sent: list[tuple[str, bytes]] = []
+    events: list[tuple[float, int, str, Any]] = []
+    order = itertools.count()
+    cached_total = prompt_total = 0
+    idle, now, last = IN_FLIGHT, 0.0, 0.0
+
+    def report(router: CacheRouter, index: int) -> None:
+        router.engine.values[(endpoints[index].label, "waiting")] = float(len(queues[index]))  # type: ignore[union-attr]
+
+    def serve(index: int) -> None:
+        nonlocal cached_total, prompt_total
+        if busy[index] or not queues[index]:
+            return
+        job = queues[index].popleft()
+        tokens = job[4]
+        cached = caches[index].lookup(tokens)
+        caches[index].insert(tokens)
+        cached_total += cached
+        prompt_total += len(tokens)
+        busy[index] = True
+        seconds = LEG_SECONDS + (len(tokens) - cached) * US_PER_TOKEN
+        heapq.heappush(events, (now + seconds, next(order), "done", (index, job)))
+
+    def start() -> None:
+        nonlocal idle
+        while idle and ready:
+            conversation, turn = ready.popleft()
+            idle -= 1
+            body = conversation.bodies[turn]
+            router = routers[len(sent) % replicas]
+            sent.append((conversation.path, body))
+            surface = "chat" if conversation.path.endswith("/chat/completions") else "completions"
+            blocks = router.blocks(surface, json.loads(body))
+            endpoint, cost, _ = router.choose_prefill(endpoints, blocks)
+            index = endpoints.index(endpoint)
+            legs[index] += 1
+            queues[index].append((conversation, turn, router, cost,
+                                  prompt_tokens(conversation.path, body)))
+            serve(index)
+
+    heapq.heappush(events, (0.0, next(order), "start", None))
+    heapq.heappush(events, (REPORT_SECONDS, next(order), "metrics", None))
+    while events:
+        now, _, kind, data = heapq.heappop(events)
+        if kind == "start":
+            start()
+        elif kind == "metrics":
+            for router in routers:
+                for index in range(prefills):
+                    report(router, index)
+            if ready or idle < IN_FLIGHT:
+                heapq.heappush(events, (now + REPORT_SECONDS, next(order), "metrics", None))
+        elif kind == "done":
+            index, (conversation, turn, router, cost, _) = data
+            busy[index] = False
+            router.release_prefill(endpoints[index], cost)
+            report(router, index)  # ORCA: the answer brings the queue back
+            serve(index)
+            heapq.heappush(events, (now + DECODE_SECONDS, next(order), "answer",
+                                    (conversation, turn)))
+        else:
+            conversation, turn = data
+            idle += 1
+            last = now
+            if turn + 1 < len(conversation.bodies):
+                ready.append((conversation, turn + 1))
+            start()
+    mean = sum(legs) / len(legs)
+    return (cached_total / max(prompt_total, 1), max(legs) / mean, last,
+            reference_hit_rate(sent, BLOCKS * prefills))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", default="22,5,7,11,13", help="trace seeds, comma-separated")
+    parser.add_argument("--share-index", action="store_true")
+    parser.add_argument("--share-placement", action="store_true")
+    args = parser.parse_args()
+    seeds = [int(seed) for seed in args.seeds.split(",")]
+    print(f"replay: {IN_FLIGHT} in flight, {BLOCKS} blocks per prefill, seeds {args.seeds}; "
+          "hit rate minus the reference's (mean, worst), spread (mean), wall s (mean)")
+    for name in ("chat", "few-shot", "mix"):
+        for prefills in (2, 4):
+            line = f"{name:<9}{prefills}"
+            for replicas in (1, 2):
+                runs = [replay(name, prefills, replicas, seed, args.share_index,
+                               args.share_placement) for seed in seeds]
+                gaps = [hit - reference for hit, _, _, reference in runs]
+                line += (f" | {replicas} replica{'s' if replicas > 1 else ' '}: "
+                         f"{statistics.mean(gaps):+6.1%} worst {min(gaps):+6.1%} spread "
+                         f"{statistics.mean(run[1] for run in runs):.2f} wall "
+                         f"{statistics.mean(run[2] for run in runs):.2f}")
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()
