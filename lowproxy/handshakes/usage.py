@@ -150,10 +150,14 @@ def _object(raw: bytes) -> Body | None:
     return value if isinstance(value, dict) else None
 
 
+# Built once: json.dumps with arguments builds an encoder on every call.
+_FINITE_COMPACT = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def _finite_json(value: Body) -> bytes | None:
     """``value`` as compact JSON; None when it holds a number JSON cannot write."""
     try:
-        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+        return _FINITE_COMPACT.encode(value).encode()
     except (ValueError, RecursionError):  # inf or nan (or too deep): leave decode's bytes
         return None
 
