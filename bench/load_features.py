@@ -36,7 +36,9 @@ FLOOR = {
 }
 # (row, what turns it on, on by default)
 FEATURES: tuple[tuple[str, dict[str, str], bool], ...] = (
-    ("prefill affinity (prompt-prefix key)", {"PD_PROXY_PREFILL_POLICY": "affinity"}, True),
+    ("cache-aware routing (prefix blocks, decode-first memory)",
+     {"PD_PROXY_PREFILL_POLICY": "cache-aware"}, True),
+    ("prefill affinity (prompt-prefix key)", {"PD_PROXY_PREFILL_POLICY": "affinity"}, False),
     ("client API keys", {"PD_PROXY_CLIENT_API_KEYS": CLIENT_KEY}, False),
     ("backend API key", {"PD_PROXY_BACKEND_API_KEY": "bench-backend-key"}, False),
     ("usage rewrite (prefill's cached tokens)", {"PD_PROXY_REWRITE_CACHED_TOKENS": "1"}, True),

@@ -33,8 +33,13 @@ _ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error",
                     504: "timeout_error"}
 
 
+# Built once: json.dumps with separators builds an encoder on every call.
+_COMPACT = json.JSONEncoder(separators=(",", ":"))
+
+
 def json_body(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":")).encode()
+    """Compact JSON (ensure_ascii keeps lone surrogates from a client's escapes encodable)."""
+    return _COMPACT.encode(obj).encode()
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None,

@@ -17,13 +17,26 @@ lowercases names and checks Content-Length and Transfer-Encoding under
 ``_parsed``), and the events go through ``Connection.send``, so h11's state
 machine, its framing and its keep-alive decisions are exactly as before.
 
+``Connection.send`` would undo that for a final response: it passes every
+``Response`` through ``_clean_up_response_headers_for_sending``, which fixes
+the framing and Connection headers and then builds the event again *without*
+``_parsed`` (every header through the regexes once more: most of the cost of
+a response head). ``send_response`` skips that rebuild when it would change
+nothing, or makes the one change itself (``Transfer-Encoding: chunked`` for
+a body of unknown length to an HTTP/1.1 client), and otherwise calls
+``send``.
+
 Relied on, each pinned by tests/downstream/test_h11_fence.py:
 
 - ``Request``, ``Response`` and ``InformationalResponse`` take ``_parsed``;
   with it they skip the regexes and ``bytesify`` and keep everything else
   (values must then be bytes, the status an int);
 - ``Connection.send`` of such an event writes the bytes the validated event
-  would, and moves the state machine the same way.
+  would, and moves the state machine the same way;
+- ``Connection._cstate.keep_alive``, ``Connection._request_method``,
+  ``Connection._writer``, ``Connection._process_event`` and
+  ``Connection._process_error``: what ``send_with_data_passthrough`` does
+  with a response once it is cleaned up, and what decides the clean-up.
 
 The upper bound on h11 in pyproject.toml stays below a release that changes
 any of them until this module is adapted.
@@ -46,6 +59,41 @@ def response(status: int, headers: Headers, reason: bytes) -> h11.Response:
     """A final response head the proxy built."""
     return h11.Response(status_code=status, headers=headers, reason=reason,
                         http_version=b"1.1", _parsed=True)
+
+
+def send_response(conn: h11.Connection, event: h11.Response) -> bytes:
+    """``conn.send(event)`` for a final head the proxy built, without h11's rebuild.
+
+    The same bytes and the same state changes as ``send`` (the fence test
+    compares them case by case); only the re-validation of headers the proxy
+    already guarantees is skipped.
+    """
+    if not conn._cstate.keep_alive or conn.their_http_version != b"1.1":
+        return conn.send(event)  # the clean-up adds Connection: close, or drops chunking
+    # A HEAD response carries the framing headers a GET's would (h11's rule).
+    status = event.status_code
+    if not (status in (204, 304) or (conn._request_method == b"CONNECT" and 200 <= status < 300)):
+        length = False
+        for _, name, _ in event.headers._full_items:
+            if name == b"transfer-encoding":
+                return conn.send(event)  # the clean-up rewrites it
+            if name == b"content-length":
+                length = True
+        if not length:  # what the clean-up would make of it: chunked, appended last
+            event = response(status, [*event.headers.raw_items(),
+                                      (b"Transfer-Encoding", b"chunked")], event.reason)
+    if conn.our_state is h11.ERROR:
+        raise h11.LocalProtocolError("Can't send data when our state is ERROR")
+    try:
+        writer = conn._writer
+        conn._process_event(conn.our_role, event)
+        assert writer is not None  # h11 raised above when there is none
+        out: list[bytes] = []
+        writer(event, out.append)
+    except BaseException:
+        conn._process_error(conn.our_role)
+        raise
+    return b"".join(out)
 
 
 def informational(status: int, headers: Headers, reason: bytes) -> h11.InformationalResponse:

@@ -24,3 +24,14 @@ class Ids:
     def next_hex(self) -> str:
         """32 hex digits, never the same twice in this process."""
         return f"{self._prefix}{next(self._count):016x}"
+
+    def next_uuid(self) -> str:
+        """A next_hex() in the shape of a random UUID (RFC 9562 version 4, variant 10).
+
+        Where a peer expects a uuid4 (the llm-d sidecar's Mooncake transfer ids).
+        The version digit takes 4 of the prefix's 64 random bits; the variant digit
+        is the counter's highest, 0 for the first 2^60 ids, so ids stay distinct.
+        """
+        h = self.next_hex()
+        variant = "89ab"[int(h[16], 16) & 3]
+        return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{variant}{h[17:20]}-{h[20:]}"

@@ -220,12 +220,16 @@ class ClientConnection:
             self.phase = Phase.GONE
             self._task.cancel()
 
-    async def _next_event(self) -> Any:
+    async def _next_event(self, buffered: bool = True) -> Any:
+        """h11's next event, reading as it needs; ``buffered=False``: h11 holds
+        nothing yet (it would only say NEED_DATA), so read first."""
         conn = self.h11
         while True:
-            event = conn.next_event()
-            if event is not h11.NEED_DATA:
-                return event
+            if buffered:
+                event = conn.next_event()
+                if event is not h11.NEED_DATA:
+                    return event
+            buffered = True
             data = await self._read()
             self._head_bytes += len(data)
             if self._head_reads is not None:
@@ -298,11 +302,11 @@ class ClientConnection:
     async def _receive_request(self) -> ClientRequest | None:
         """The next request, head checked and body read; None once refused or closed."""
         conn = self.h11
-        leftover = conn.trailing_data[0]
+        leftover, closed = conn.trailing_data
         self._head_bytes = len(leftover)
         self._head_reads = [leftover]
         try:
-            event = await self._next_event()
+            event = await self._next_event(buffered=bool(leftover) or closed)
             head_reads, self._head_reads = self._head_reads, None
             if isinstance(event, h11.ConnectionClosed):
                 return None

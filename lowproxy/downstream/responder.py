@@ -13,7 +13,7 @@ import h11
 
 from .._types import Headers
 from ..answers import REASONS, json_body
-from ..h11_internals import informational, response
+from ..h11_internals import informational, response, send_response
 
 # Past this much unsent to a client, stop relaying until it catches up.
 WRITE_HIGH_WATER = 64 * 1024
@@ -87,7 +87,7 @@ class Responder:
         # No per-header checks (h11_internals.py): decode's headers were
         # checked by h11's parser, the rest are the proxy's own.
         event = response(status, headers, REASONS.get(status, b""))
-        self._out.append(wire.h11.send(event))
+        self._out.append(send_response(wire.h11, event))
         # h11 chunks a 1.1 response that has no length (RFC 9112 6.1); we then
         # frame chunks ourselves, which is all h11's chunked writer does, at a
         # fraction of the cost per chunk. Other framings go through h11.

@@ -5,11 +5,11 @@ No I/O here. Each rule names the vLLM behaviour it exists for.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .._types import KV, Body, Headers
+from ..answers import json_body
 from ..routes import CHAT, GENERATE, MESSAGES, RESPONSES
 from ..upstream.endpoint import Endpoint
 from .rules import (
@@ -19,13 +19,10 @@ from .rules import (
     RESPONSES_PREFILL_DROPPED,
 )
 
-# Built once: json.dumps with separators builds an encoder on every call.
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
-
 
 def serialise(body: Body) -> bytes:
-    # ensure_ascii keeps lone surrogates from a client's "\ud800" escapes encodable.
-    return _COMPACT.encode(body).encode()
+    """A leg's body as compact JSON."""
+    return json_body(body)
 
 
 def primed_prefill_body(body: Body, kv_transfer_params: Body | None,

@@ -9,7 +9,6 @@ that needs I/O (Mooncake's bootstrap map), so that the plans stay pure.
 from __future__ import annotations
 
 import random
-import uuid
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -115,4 +114,4 @@ async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, request
     rank, engine_id = engines.next_rank()
     # xfer-<uuid4>: the llm-d sidecar's form, kept so logs and tools line up.
     return mooncake.plan(body, target, path, prefill, rank, engine_id,
-                         bootstrap.bootstrap_addr(prefill), f"xfer-{uuid.uuid4()}", surface)
+                         bootstrap.bootstrap_addr(prefill), f"xfer-{ids.next_uuid()}", surface)

@@ -109,11 +109,58 @@ def _put_details(usage: Body, total: str, field: str, cached: int) -> bool:
 
 
 def rewrite_body(surface: str, raw: bytes, cached: int) -> bytes | None:
-    """A non-streamed answer with the prefill's figure, or None to relay it as it is."""
+    """A non-streamed answer with the prefill's figure, or None to relay it as it is.
+
+    Only the usage object's bytes change when they can be found for certain
+    (splice_usage): the rest of decode's answer goes on byte for byte, and
+    is not serialised again.
+    """
     answer = _object(raw)
-    if answer is None or not rewrite_usage(surface, answer.get("usage"), cached):
+    if answer is None:
         return None
-    return _finite_json(answer)
+    usage = answer.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    before = dict(usage)
+    if not rewrite_usage(surface, usage, cached):
+        return None
+    spliced = splice_usage(raw, before, usage)  # rewrite_usage took it: a dict
+    return spliced if spliced is not None else _finite_json(answer)
+
+
+def splice_usage(raw: bytes, before: Body, after: Body) -> bytes | None:
+    """``raw`` with its top-level usage object (``before``) written as ``after``; None
+    unless that object's bytes are found for certain.
+
+    Certain: ``"usage"`` occurs once in the bytes (a string can hold it only
+    escaped), a colon and an object follow it, and that object reads back as
+    ``before``. Anything else (the key spelled with escapes, a second
+    occurrence) leaves the whole answer to be written again.
+    """
+    if raw.count(b'"usage"') != 1:
+        return None
+    key = raw.find(b'"usage"') + len(b'"usage"')
+    colon = _skip_space(raw, key)
+    if raw[colon:colon + 1] != b":":
+        return None
+    start = _skip_space(raw, colon + 1)
+    if raw[start:start + 1] != b"{":
+        return None
+    try:
+        text = raw[start:].decode("utf-8")
+        found, end = _DECODER.raw_decode(text)
+    except (ValueError, RecursionError):
+        return None
+    written = _finite_json(after)
+    if found != before or written is None:
+        return None
+    return raw[:start] + written + text[end:].encode("utf-8")
+
+
+def _skip_space(raw: bytes, position: int) -> int:
+    while raw[position:position + 1] in (b" ", b"\t", b"\n", b"\r"):
+        position += 1
+    return position
 
 
 def rewrite_events(surface: str, piece: bytes, cached: int) -> bytes:
@@ -150,10 +197,15 @@ def _object(raw: bytes) -> Body | None:
     return value if isinstance(value, dict) else None
 
 
+_DECODER = json.JSONDecoder()
+# Built once: json.dumps with arguments builds an encoder on every call.
+_FINITE_COMPACT = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
 def _finite_json(value: Body) -> bytes | None:
     """``value`` as compact JSON; None when it holds a number JSON cannot write."""
     try:
-        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+        return _FINITE_COMPACT.encode(value).encode()
     except (ValueError, RecursionError):  # inf or nan (or too deep): leave decode's bytes
         return None
 

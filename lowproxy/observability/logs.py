@@ -25,6 +25,8 @@ import time
 from typing import Any
 
 access_log = logging.getLogger("lowproxy.access")
+# Built once: json.dumps with arguments builds an encoder on every call.
+_JSON_LINE = json.JSONEncoder(separators=(",", ":"), default=str)
 
 _UNPRINTABLE = re.compile(r"[^\x20-\x7e]")
 
@@ -94,7 +96,7 @@ class JsonFormatter(logging.Formatter):
             entry.update(fields)
         if record.exc_info:
             entry["exception"] = self.formatException(record.exc_info)
-        return json.dumps(entry, separators=(",", ":"), default=str)
+        return _JSON_LINE.encode(entry)
 
 
 class TextFormatter(logging.Formatter):
@@ -154,7 +156,7 @@ class _AccessWriter:
             if self.worker is not None:
                 entry["worker"] = self.worker
             entry.update(fields)
-            line = json.dumps(entry, separators=(",", ":"), default=str)
+            line = _JSON_LINE.encode(entry)
         else:
             line = f"{self._time()} INFO [{access_log.name}] {self._prefix}{text_fields(fields)}"
         self._lines.append(line)

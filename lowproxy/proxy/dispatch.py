@@ -392,7 +392,7 @@ class Dispatcher:
         self.metrics.decode_first_byte.observe(exchange.first_byte_ms / 1000.0)
         body = rewrite_body(surface, raw, cached) or raw
         await responder.start(response.status, headers, len(body))
-        await responder.write(body)
+        responder.buffer(body)  # head, body and end go out in one write
         await responder.end()
         self.metrics.decode_legs.inc("ok")
 

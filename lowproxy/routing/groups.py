@@ -54,6 +54,14 @@ def parse_models(raw: bytes) -> ModelList | None:
     return models
 
 
+def _largest(lengths: Iterable[int | None]) -> int | None:
+    """The largest of the contexts; None when one is not known (or there are none)."""
+    known = list(lengths)
+    if not known or None in known:
+        return None
+    return max(length for length in known if length is not None)
+
+
 class BackendGroup:
     def __init__(self, role: str, specs: Iterable[EndpointSpec],
                  sent: Counter | None = None, failed: Counter | None = None) -> None:
@@ -72,6 +80,8 @@ class BackendGroup:
         self._healthy_serving: dict[str, list[Endpoint]] = {}
         self._unlisted: list[Endpoint] = []  # endpoints whose model list is not known
         self._healthy_unlisted: list[Endpoint] = []
+        self._lists_known = False
+        self._context: dict[str | None, int | None] = {}  # model -> largest max_model_len
         self.specs = tuple(specs)
         self._static = [Endpoint(spec) for spec in self.specs if not spec.discover]
         self._discovered: dict[EndpointSpec, dict[str, Endpoint]] = {
@@ -145,20 +155,14 @@ class BackendGroup:
 
     def lists_known(self) -> bool:
         """Whether every endpoint's model list is known."""
-        return bool(self.endpoints) and all(e in self.models for e in self.endpoints)
+        return self._lists_known
 
     def serves(self, model: str) -> bool:
-        return any(model in listed for listed in self.models.values())
+        return model in self._context
 
     def max_model_len(self, model: str | None) -> int | None:
         """The largest context of the endpoints serving ``model``; None if any is unknown."""
-        if not self.lists_known():
-            return None
-        lengths = [length for listed in self.models.values() for name, length in listed.items()
-                   if model is None or name == model]
-        if not lengths or any(length is None for length in lengths):
-            return None
-        return max(length for length in lengths if length is not None)
+        return self._context.get(model) if self._lists_known else None
 
     def _reindex(self) -> None:
         """The lists picks read: healthy endpoints, and those serving each model."""
@@ -172,6 +176,17 @@ class BackendGroup:
                                  for name, serving in self._serving.items()}
         self._unlisted = [e for e in self.endpoints if e not in self.models]
         self._healthy_unlisted = [e for e in self._unlisted if e not in self.unhealthy]
+        # What each request asks of the model lists, worked out here and not per
+        # request: whether every list is known, and each model's largest context
+        # (None when any endpoint serving it does not say; key None: any model).
+        self._lists_known = bool(self.endpoints) and not self._unlisted
+        self._context = {name: _largest(length for listed in self.models.values()
+                                        for listed_name, length in listed.items()
+                                        if listed_name == name)
+                         for name in names}
+        if names:
+            self._context[None] = _largest(length for listed in self.models.values()
+                                           for length in listed.values())
 
     def candidates(self, model: str | None = None) -> list[Endpoint]:
         """Healthy endpoints that may serve ``model`` (all healthy ones without a model).

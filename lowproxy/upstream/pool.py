@@ -129,11 +129,11 @@ class UpstreamResponse:
             relay = LengthRelay(pooled.h11, stream, deliver)
         stream.set_sink(relay)
         try:
-            if not self._chunked:
-                relay.start()  # type: ignore[union-attr]
-            if head.rest:
+            if head.rest:  # usually the whole body, read with the head
                 pending, head.rest = head.rest, b""
                 relay.data_received(pending)
+            elif not self._chunked:
+                relay.start()  # type: ignore[union-attr]
             if head.eof is not False:
                 relay.connection_closed(head.eof if head.eof is not True else None)
             stream.resume_reading()  # the head reader may have paused it

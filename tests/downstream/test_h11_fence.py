@@ -86,3 +86,59 @@ def test_the_backend_key_check_refuses_what_h11_would():
                                                              (b"authorization", value)])
     assert not header_safe(b"Bearer k\x7f")  # stricter than h11: no control byte at all
     assert header_safe(b"Bearer sk-abc.DEF_123/+=") and header_safe("Bearer clé".encode())
+
+
+def _twins(request: bytes) -> tuple[h11.Connection, h11.Connection]:
+    """Two server connections that have read the same request."""
+    pair = []
+    for _ in range(2):
+        conn = h11.Connection(h11.SERVER)
+        conn.receive_data(request)
+        while type(conn.next_event()) is not h11.EndOfMessage:
+            pass
+        pair.append(conn)
+    return pair[0], pair[1]
+
+
+GET_11 = b"GET / HTTP/1.1\r\nhost: x\r\n\r\n"
+
+
+@pytest.mark.parametrize("request_bytes, status, headers", [
+    (GET_11, 200, [(b"content-type", b"application/json"), (b"content-length", b"2")]),
+    (GET_11, 200, [(b"content-type", b"text/event-stream"), (b"X-Request-Id", b"abc")]),
+    (GET_11, 200, [(b"transfer-encoding", b"chunked"), (b"content-length", b"5")]),
+    (GET_11, 204, [(b"x-request-id", b"abc")]),
+    (GET_11, 304, [(b"etag", b"\"1\"")]),
+    (b"HEAD / HTTP/1.1\r\nhost: x\r\n\r\n", 200, [(b"content-type", b"text/plain")]),
+    (GET_11, 200, [(b"content-length", b"2"), (b"connection", b"close")]),
+    (b"GET / HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n", 200,
+     [(b"content-length", b"2")]),
+    (b"GET / HTTP/1.0\r\n\r\n", 200, [(b"content-type", b"text/plain")]),
+    (b"GET / HTTP/1.0\r\n\r\n", 200, [(b"content-length", b"2")]),
+])
+def test_send_response_writes_and_moves_what_send_does(request_bytes, status, headers):
+    fast, slow = _twins(request_bytes)
+    fast_head = h11_internals.send_response(fast, h11_internals.response(status, list(headers),
+                                                                         b"OK"))
+    slow_head = slow.send(h11.Response(status_code=status, headers=list(headers), reason=b"OK"))
+    fence(fast_head == slow_head, "Connection._clean_up_response_headers_for_sending",
+          f"send_response wrote {fast_head!r}, send {slow_head!r}")
+    body = [] if status in (204, 304) or request_bytes.startswith(b"HEAD") else [
+        h11.Data(data=b"{}")]
+    fence([fast.send(e) for e in [*body, h11.EndOfMessage()]]
+          == [slow.send(e) for e in [*body, h11.EndOfMessage()]]
+          and (fast.our_state, fast.their_state) == (slow.our_state, slow.their_state),
+          "Connection._process_event / _writer", "the body or the states differ after the head")
+
+
+def test_send_response_refuses_what_send_refuses():
+    conn, _ = _twins(GET_11)
+    h11_internals.send_response(conn, h11_internals.response(200, [(b"content-length", b"0")],
+                                                             b"OK"))
+    conn.send(h11.EndOfMessage())
+    with pytest.raises(h11.LocalProtocolError):  # a second response to one request
+        h11_internals.send_response(conn, h11_internals.response(200, [], b"OK"))
+    fence(conn.our_state is h11.ERROR, "Connection._process_error",
+          "a refused response no longer puts the connection in ERROR")
+    with pytest.raises(h11.LocalProtocolError):
+        h11_internals.send_response(conn, h11_internals.response(200, [], b"OK"))

@@ -190,3 +190,30 @@ def test_a_non_finite_number_is_never_written():
     fine = b'data: {"choices":[],"usage":{"prompt_tokens":5,"total_tokens":1e300}}\n\n'
     out = rewrite_events(CHAT, fine, 2)
     assert b'"cached_tokens":2' in out and b"Infinity" not in out
+
+
+def test_a_rewritten_answer_keeps_every_other_byte_of_decode():
+    raw = ('{"id": "chatcmpl-1", "choices": [{"message": {"content": "caf\u00e9 \\u00e9 "'
+           '}}],\n "usage": {"prompt_tokens": 5, "completion_tokens": 2},\n'
+           ' "kv_transfer_params": null}').encode()
+    out = rewrite_body(CHAT, raw, 3)
+    assert out is not None
+    head, tail = raw.split(b'{"prompt_tokens"', 1)
+    assert out.startswith(head) and out.endswith(b',\n "kv_transfer_params": null}')
+    assert json.loads(out)["usage"] == {"prompt_tokens": 5, "completion_tokens": 2,
+                                        "prompt_tokens_details": {"cached_tokens": 3}}
+
+
+@pytest.mark.parametrize("raw", [
+    # the key spelled with an escape, and "usage" elsewhere: whole answer written again
+    b'{"role":"usage","\\u0075sage":{"prompt_tokens":5}}',
+    # two usage keys: the later one counts, which a byte search cannot tell
+    b'{"usage":{"prompt_tokens":9},"usage":{"prompt_tokens":5}}',
+    # a nested usage and the top-level one
+    b'{"choices":[{"usage":{"prompt_tokens":1}}],"usage":{"prompt_tokens":5}}',
+])
+def test_an_answer_whose_usage_bytes_are_not_certain_is_written_whole(raw):
+    out = rewrite_body(CHAT, raw, 2)
+    assert out is not None
+    assert json.loads(out)["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
+    assert json.loads(out) == {**json.loads(raw), "usage": json.loads(out)["usage"]}

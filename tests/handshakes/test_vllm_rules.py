@@ -230,3 +230,18 @@ def test_ids_are_unique_fixed_width_hex_and_differ_between_processes():
     assert len(set(made)) == 1000
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in made)
     assert first.next_hex()[:16] != second.next_hex()[:16]  # per-process random prefix
+
+
+def test_transfer_ids_are_distinct_uuid4_shaped_and_differ_between_processes():
+    import uuid
+
+    from lowproxy.ids import Ids
+
+    first, second = Ids(), Ids()
+    made = [first.next_uuid() for _ in range(1000)]
+    assert len(set(made)) == 1000
+    for made_id in made:
+        parsed = uuid.UUID(made_id)  # the llm-d sidecar's xfer-<uuid4> form
+        assert str(parsed) == made_id
+        assert parsed.version == 4 and parsed.variant == uuid.RFC_4122
+    assert first.next_uuid()[:8] != second.next_uuid()[:8]  # per-process random prefix
