@@ -24,7 +24,10 @@ the framing and Connection headers and then builds the event again *without*
 a response head). ``send_response`` skips that rebuild when it would change
 nothing, or makes the one change itself (``Transfer-Encoding: chunked`` for
 a body of unknown length to an HTTP/1.1 client), and otherwise calls
-``send``.
+``send``. Likewise ``send_data``: a piece of a body already under way moves
+no state (SEND_BODY to SEND_BODY), so it goes straight to the body's writer
+(which still counts it against the Content-Length) without a trip through
+the state machine, a third of what ``send`` costs for it.
 
 Relied on, each pinned by tests/downstream/test_h11_fence.py:
 
@@ -93,6 +96,21 @@ def send_response(conn: h11.Connection, event: h11.Response) -> bytes:
     except BaseException:
         conn._process_error(conn.our_role)
         raise
+    return b"".join(out)
+
+
+def send_data(conn: h11.Connection, data: bytes) -> bytes:
+    """``conn.send(h11.Data(data=data))``, the same bytes and states (fenced)."""
+    if conn.our_state is not h11.SEND_BODY:
+        return conn.send(h11.Data(data=data))  # h11 refuses it, or a state of its own
+    out: list[bytes] = []
+    try:
+        conn._writer(h11.Data(data=data), out.append)  # type: ignore[misc]
+    except BaseException:
+        conn._process_error(conn.our_role)
+        raise
+    if conn.our_role is h11.CLIENT:  # what _process_event does for a client's Data
+        conn.client_is_waiting_for_100_continue = False
     return b"".join(out)
 
 

@@ -13,7 +13,7 @@ import h11
 
 from .._types import Headers
 from ..answers import REASONS, json_body
-from ..h11_internals import informational, response, send_response
+from ..h11_internals import informational, response, send_data, send_response
 
 # Past this much unsent to a client, stop relaying until it catches up.
 WRITE_HIGH_WATER = 64 * 1024
@@ -111,7 +111,7 @@ class Responder:
         if self._chunked:
             self._out.append(b"%x\r\n%s\r\n" % (len(data), data))
         else:
-            self._out.append(self._wire.h11.send(h11.Data(data=data)))
+            self._out.append(send_data(self._wire.h11, data))
 
     def flush(self) -> None:
         """Write what was collected, in one syscall, without waiting."""
@@ -175,9 +175,9 @@ class Responder:
             body = b""
         self.bytes_out += len(body)
         conn = wire.h11
-        out = conn.send(response(status, headers, REASONS.get(status, b"")))
+        out = send_response(conn, response(status, headers, REASONS.get(status, b"")))
         if body:
-            out += conn.send(h11.Data(data=body))
+            out += send_data(conn, body)
         out += conn.send(h11.EndOfMessage())
         wire.write(out)
         await wire.drain()

@@ -29,6 +29,7 @@ from typing import Any
 import h11
 
 from ..h11_internals import request as trusted_request
+from ..h11_internals import send_data
 from .chunked import Deliver
 from .httpcore_internals import MAX_HEAD_BYTES
 from .stream import READ_HIGH_WATER, AsyncioStream
@@ -61,7 +62,7 @@ def request_bytes(state: h11.Connection, method: bytes, target: bytes, headers: 
     every name and value comes from h11's parser or from the proxy itself."""
     wire = state.send(trusted_request(method, target, headers))
     if body:
-        wire += state.send(h11.Data(data=body))
+        wire += send_data(state, body)
     return wire + state.send(_EndOfMessage())
 
 

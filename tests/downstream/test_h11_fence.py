@@ -142,3 +142,43 @@ def test_send_response_refuses_what_send_refuses():
           "a refused response no longer puts the connection in ERROR")
     with pytest.raises(h11.LocalProtocolError):
         h11_internals.send_response(conn, h11_internals.response(200, [], b"OK"))
+
+
+@pytest.mark.parametrize("role", [h11.CLIENT, h11.SERVER])
+@pytest.mark.parametrize("framing", [(b"content-length", b"5"), (b"transfer-encoding", b"chunked")])
+def test_send_data_writes_and_moves_what_send_does(role, framing):
+    def opened() -> h11.Connection:
+        if role is h11.CLIENT:
+            conn = h11.Connection(h11.CLIENT)
+            conn.send(h11.Request(method=b"POST", target=b"/", headers=[
+                (b"host", b"x"), (b"expect", b"100-continue"), framing]))
+            return conn
+        conn, _ = _twins(GET_11)
+        conn.send(h11.Response(status_code=200, headers=[framing]))
+        return conn
+
+    fast, slow = opened(), opened()
+    pieces = [b"ab", b"cde"]
+    fence([h11_internals.send_data(fast, p) for p in pieces]
+          == [slow.send(h11.Data(data=p)) for p in pieces],
+          "Connection._writer", "send_data wrote other bytes than send")
+    fence((fast.our_state, fast.their_state, fast.client_is_waiting_for_100_continue)
+          == (slow.our_state, slow.their_state, slow.client_is_waiting_for_100_continue),
+          "Connection._process_event", "a body piece moves the states otherwise")
+    fence(fast.send(h11.EndOfMessage()) == slow.send(h11.EndOfMessage()),
+          "Connection._writer", "the body ends otherwise")
+
+
+def test_send_data_refuses_what_send_refuses():
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method=b"POST", target=b"/", headers=[(b"host", b"x"),
+                                                                (b"content-length", b"2")]))
+    with pytest.raises(h11.LocalProtocolError):  # more than the declared length
+        h11_internals.send_data(conn, b"abc")
+    fence(conn.our_state is h11.ERROR, "Connection._process_error",
+          "too much data no longer puts the connection in ERROR")
+    with pytest.raises(h11.LocalProtocolError):  # and nothing is sent in ERROR
+        h11_internals.send_data(conn, b"a")
+    idle = h11.Connection(h11.CLIENT)
+    with pytest.raises(h11.LocalProtocolError):  # no request yet: no body
+        h11_internals.send_data(idle, b"a")
