@@ -34,12 +34,12 @@ _ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error",
 
 
 # Built once: json.dumps with separators builds an encoder on every call.
-_COMPACT = json.JSONEncoder(separators=(",", ":"))
+COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
 
 
 def json_body(obj: Any) -> bytes:
     """Compact JSON (ensure_ascii keeps lone surrogates from a client's escapes encodable)."""
-    return _COMPACT.encode(obj).encode()
+    return COMPACT_JSON.encode(obj).encode()
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None,

@@ -6,10 +6,11 @@ No I/O here. Each rule names the vLLM behaviour it exists for.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _string
 from typing import Any, Callable
 
 from .._types import KV, Body, Headers
-from ..answers import json_body
+from ..answers import COMPACT_JSON, json_body
 from ..routes import CHAT, GENERATE, MESSAGES, RESPONSES
 from ..upstream.endpoint import Endpoint
 from .rules import (
@@ -23,6 +24,73 @@ from .rules import (
 def serialise(body: Body) -> bytes:
     """A leg's body as compact JSON."""
     return json_body(body)
+
+
+# Below this many bytes of client body, encoding each leg whole (one call into
+# the C encoder) is cheaper than writing its fields one by one.
+SHARED_ENCODING_MIN_BYTES = 2048
+
+
+class SharedEncoding:
+    """``serialise`` for the legs of one request, the client's prompt encoded once.
+
+    Each leg is the client's body with a few small fields changed (the shaping
+    functions here copy the top level and share every value they keep), so the
+    prompt (messages, prompt, input, tools: nearly all of the bytes) is the
+    same object in every leg. A value a leg shares with the client's body is
+    encoded the first time and reused; every other value is encoded as it
+    comes. The bytes are ``serialise``'s, exactly (tests/handshakes pin that).
+    """
+
+    __slots__ = ("_client", "_encoded")
+
+    def __init__(self, client: Body) -> None:
+        self._client = client
+        self._encoded: dict[str, str] = {}  # a key the legs share -> "key":value
+
+    def serialise(self, leg: Body) -> bytes:
+        client, encoded = self._client, self._encoded
+        parts = []
+        for key, value in leg.items():
+            if client.get(key, _ABSENT) is value:
+                member = encoded.get(key)
+                if member is None:
+                    member = encoded[key] = _member(key, value)
+            else:
+                member = _member(key, value)
+            parts.append(member)
+        return ("{" + ",".join(parts) + "}").encode()
+
+
+def leg_serialiser(client: Body, client_bytes: int) -> Callable[[Body], bytes]:
+    """How the legs of a request are serialised: sharing the prompt's encoding when
+    the body is large enough for that to pay."""
+    if client_bytes < SHARED_ENCODING_MIN_BYTES:
+        return serialise
+    return SharedEncoding(client).serialise
+
+
+_ABSENT = object()
+
+
+def _member(key: str, value: Any) -> str:
+    """``"key":value`` as the compact encoder writes it inside an object."""
+    kind = type(value)
+    if kind is str:
+        written = _string(value)
+    elif value is None:
+        written = "null"
+    elif value is True:
+        written = "true"
+    elif value is False:
+        written = "false"
+    elif kind is int:
+        written = int.__repr__(value)
+    elif kind is float:
+        written = float.__repr__(value)  # finite: strict_json refused the others
+    else:
+        written = COMPACT_JSON.encode(value)
+    return _string(key) + ":" + written
 
 
 def primed_prefill_body(body: Body, kv_transfer_params: Body | None,

@@ -18,7 +18,7 @@ from ..ids import Ids
 from ..upstream.endpoint import Endpoint
 from . import mooncake, relay, sglang
 from .bootstrap import BootstrapCache, BootstrapError
-from .legs import Plan, decode_only_plan, serialise
+from .legs import Plan, decode_only_plan, leg_serialiser, serialise
 from .rules import SHORT, cannot_hand_off, too_short
 
 DECODE_CACHED = "decode-cached"  # decode-first: decode holds all but a few tokens
@@ -36,6 +36,7 @@ class Generation:
     body: Body
     prompt_bytes: int | None = None  # the prompt's size, when a setting reads it
     decode_cached: bool = False  # decode-first: decode holds all but a few of its tokens
+    body_bytes: int = 0  # the client's body as it came: how its legs are best serialised
 
 
 class PrefillPick(Protocol):
@@ -97,8 +98,10 @@ async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, request
     """The configured handshake's plan, with its prefill leg going to ``prefill``."""
     handshake = config.kv_protocol
     surface, target, path, body = request.surface, request.target, request.path, request.body
+    serialise_leg = leg_serialiser(body, request.body_bytes)
     if handshake == "relay":
-        return relay.plan(body, target, path, prefill, surface, config.forward_prompt_token_ids)
+        return relay.plan(body, target, path, prefill, surface, config.forward_prompt_token_ids,
+                          serialise_leg)
     if handshake == "sglang":
         port = prefill.spec.bootstrap_port or config.sglang_bootstrap_port
         rid = f"lowproxy-{ids.next_hex()}"  # fixed width: no rid is a prefix of another
@@ -114,4 +117,5 @@ async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, request
     rank, engine_id = engines.next_rank()
     # xfer-<uuid4>: the llm-d sidecar's form, kept so logs and tools line up.
     return mooncake.plan(body, target, path, prefill, rank, engine_id,
-                         bootstrap.bootstrap_addr(prefill), f"xfer-{ids.next_uuid()}", surface)
+                         bootstrap.bootstrap_addr(prefill), f"xfer-{ids.next_uuid()}", surface,
+                         serialise_leg)

@@ -273,6 +273,7 @@ class Proxy:
     async def _generation(self, exchange: Exchange, responder: ResponseWriter,
                           surface: str) -> None:
         request = exchange.request
+        body_bytes = len(request.body)
         try:
             body = without_client_kv(parse_client_body(request.body))
         except BodyError as exc:
@@ -312,7 +313,7 @@ class Proxy:
         exchange.prefill_lease = self.prefill_choice.lease(named, facts, model, blocks)
         planning = plan_generation(self.config, self.bootstrap, self.ids,
                                    Generation(surface, request.target, request.path_bytes, body,
-                                              facts.size, decode_cached),
+                                              facts.size, decode_cached, body_bytes),
                                    exchange.prefill_lease)
         del body  # the plan holds it until decode's response is open, and no longer
         exchange.model = model  # decode's pick: endpoints serving the model
