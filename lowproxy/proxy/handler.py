@@ -311,6 +311,9 @@ class Proxy:
         decode_cached = router is not None and self._decode_first(exchange, router, blocks,
                                                                   model, named)
         exchange.prefill_lease = self.prefill_choice.lease(named, facts, model, blocks)
+        # What decode's memory records once it answers; not the prompt (a stream may last
+        # minutes, and the blocks carry the rendered prompt and the body for the choice).
+        blocks = blocks.without_prompt()
         planning = plan_generation(self.config, self.bootstrap, self.ids,
                                    Generation(surface, request.target, request.path_bytes, body,
                                               facts.size, decode_cached, body_bytes),

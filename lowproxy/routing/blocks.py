@@ -48,6 +48,11 @@ class PromptBlocks(NamedTuple):
     body: Any = None
     block_bytes: int = 0
 
+    def without_prompt(self) -> PromptBlocks:
+        """The hashes and counts alone: what is remembered once a choice is made (the
+        prompt and the client's body must not live as long as a stream does)."""
+        return self._replace(data=b"", body=None) if self.data or self.body is not None else self
+
     def opening(self) -> int:
         """adler32 of the block that ends the conversation's first turn: it tells
         conversations of one group apart, the same in every process (a hot

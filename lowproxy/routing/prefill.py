@@ -203,6 +203,7 @@ class PrefillLease:
     def __call__(self) -> Endpoint | None:
         if self.named is None and self.chooser.router is not None:
             endpoint, self.queued = self.chooser.choose_cached(self.blocks, self.model)
+            self.blocks = NO_BLOCKS  # chosen: the prompt is not kept for the request's life
         else:
             endpoint = self.chooser.choose(self.named, self.facts, self.model)
         if endpoint is not None:
@@ -213,6 +214,7 @@ class PrefillLease:
         return endpoint
 
     def release(self) -> None:
+        self.blocks = NO_BLOCKS  # never chosen (a skipped leg): the prompt goes all the same
         endpoint, self.endpoint = self.endpoint, None
         if endpoint is None:
             return
