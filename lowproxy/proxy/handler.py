@@ -306,7 +306,7 @@ class Proxy:
         exchange.handshake = self.config.kv_protocol
         exchange.surface = surface
         facts = self._prompt_facts(surface, body)
-        router = self.router
+        router = self._routing_with_choice()
         blocks = NO_BLOCKS if router is None else router.blocks(surface, body)
         decode_cached = router is not None and self._decode_first(exchange, router, blocks,
                                                                   model, named)
@@ -326,6 +326,16 @@ class Proxy:
             if router is not None and exchange.decode_endpoint is not None \
                     and exchange.first_byte_ms is not None:
                 router.served_decode(exchange.decode_endpoint, blocks)
+
+    def _routing_with_choice(self) -> CacheRouter | None:
+        """The cache-aware router, when it has something to choose: with one prefill and
+        one decode configured (and decode-first off) there is none, and the prompt is
+        neither rendered nor remembered (the memory starts with a second endpoint)."""
+        router = self.router
+        if router is not None and len(self.prefill.endpoints) < 2 \
+                and len(self.decode.endpoints) < 2 and not self.config.decode_first_tokens:
+            return None
+        return router
 
     @staticmethod
     def _prefill_ended(exchange: Exchange) -> None:

@@ -98,7 +98,10 @@ class CacheRouter:
 
     def choose_prefill(self, usable: Sequence[Endpoint], blocks: PromptBlocks
                        ) -> tuple[Endpoint, float, str]:
-        """(endpoint, its uncached tokens, reason: cache, cold or load); usable not empty."""
+        """(endpoint, its uncached tokens, reason: cache, cold, load, or only); usable not
+        empty."""
+        if len(usable) == 1:
+            return self._only(usable[0], blocks)
         by_label = {endpoint.label: endpoint for endpoint in usable}
         if not self._ordered:  # never pruned (bench/route_cost.py): the usable are all
             self._ordered = list(by_label)
@@ -144,6 +147,20 @@ class CacheRouter:
         legs[label] = legs.get(label, 0) + 1
         self.mean_cost += (cost - self.mean_cost) / 16.0
         return endpoint, cost, "load" if not home else "cache" if matched else "cold"
+
+    def _only(self, endpoint: Endpoint, blocks: PromptBlocks) -> tuple[Endpoint, float, str]:
+        """One usable prefill: nothing to choose (reason ``only``, as for every policy),
+        but what it holds and what it queues are counted as for a choice, so that
+        the endpoints that come next are chosen on them."""
+        label, chain = endpoint.label, blocks.chain
+        matched = self.prefills.match(label, chain) if chain else 0
+        cost = float(max(1, blocks.tokens - matched * self.block_tokens))
+        if chain:
+            self.prefills.record(label, chain)
+        self.queued[endpoint] = self.queued.get(endpoint, 0.0) + cost
+        self.legs[label] = self.legs.get(label, 0) + 1
+        self.mean_cost += (cost - self.mean_cost) / 16.0
+        return endpoint, cost, "only"
 
     def _rendezvous(self, first: int) -> list[str]:
         """The rendezvous order of every configured prefill for ``first`` (kept:
