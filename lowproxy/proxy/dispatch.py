@@ -360,6 +360,8 @@ class Dispatcher:
         else:
             surface = None
         await responder.start(response.status, headers, content_length)
+        del headers
+        response.headers = []  # relayed: a stream that lasts minutes keeps no copy
         first_byte = self.metrics.decode_first_byte
 
         def deliver(pieces: list[bytes]) -> bool:

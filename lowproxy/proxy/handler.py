@@ -303,6 +303,7 @@ class Proxy:
                 refused.status, refused.message, surface == MESSAGES))
             return
         request.watch_client()
+        request.headers = []  # read (keys, trace, target, the legs' own): a stream keeps none
         exchange.handshake = self.config.kv_protocol
         exchange.surface = surface
         facts = self._prompt_facts(surface, body)
@@ -378,6 +379,7 @@ class Proxy:
             body = request.body
         request.body = b""
         request.watch_client()
+        request.headers = []  # read (keys, trace, the legs' own): a stream keeps none
         await self.dispatch.run(exchange, responder,
                                 decode_only_plan(request.method, request.target, body))
 
