@@ -122,7 +122,28 @@ class RelayedStream(Protocol):
 Deliver = Callable[[list[bytes]], bool]
 
 
-class ChunkedRelay:
+class Waiting:
+    """A connection's sink a coroutine waits on until it is done, slow, or failed
+    (ChunkedRelay here, the head reader and the length-framed relay of cycle.py)."""
+
+    __slots__ = ("stream", "_waiter")
+    _waiter: asyncio.Future[None] | None
+    stream: RelayedStream
+
+    async def wait(self) -> None:
+        waiter = self._waiter = self.stream.loop.create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+class ChunkedRelay(Waiting):
     """Decodes a chunked body in a connection's callbacks and delivers it.
 
     The connection calls data_received and connection_closed; a coroutine
@@ -132,7 +153,7 @@ class ChunkedRelay:
     among them) are kept for that coroutine to raise.
     """
 
-    __slots__ = ("stream", "deliver", "decoder", "error", "slow", "stray", "_waiter")
+    __slots__ = ("deliver", "decoder", "error", "slow", "stray")
 
     def __init__(self, stream: RelayedStream, deliver: Deliver) -> None:
         self.stream = stream
@@ -169,14 +190,3 @@ class ChunkedRelay:
             self.error = ChunkedError(f"connection closed mid-body{detail}")
         self._wake()
 
-    async def wait(self) -> None:
-        self._waiter = self.stream.loop.create_future()
-        try:
-            await self._waiter
-        finally:
-            self._waiter = None
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)

@@ -21,7 +21,6 @@ again by the coroutine waiting on the cycle.
 
 from __future__ import annotations
 
-import asyncio
 import re
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +29,7 @@ import h11
 
 from ..h11_internals import request as trusted_request
 from ..h11_internals import send_data
-from .chunked import Deliver
+from .chunked import Deliver, Waiting
 from .httpcore_internals import MAX_HEAD_BYTES
 from .stream import READ_HIGH_WATER, AsyncioStream
 
@@ -66,31 +65,12 @@ def request_bytes(state: h11.Connection, method: bytes, target: bytes, headers: 
     return wire + state.send(_EndOfMessage())
 
 
-class _Waiting:
-    """A sink a coroutine waits on until it is done, slow, or failed."""
-
-    _waiter: asyncio.Future[None] | None
-    stream: AsyncioStream
-
-    async def wait(self) -> None:
-        waiter = self._waiter = self.stream.loop.create_future()
-        try:
-            await waiter
-        finally:
-            self._waiter = None
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-
-class HeadReader(_Waiting):
+class HeadReader(Waiting):
     """The connection's sink until the final response head is in (and its body relay
     attaches: until then it keeps what comes after the head)."""
 
-    __slots__ = ("state", "stream", "on_informational", "response", "final", "error", "eof",
-                 "rest", "_buffer", "_searched", "_waiter")
+    __slots__ = ("state", "on_informational", "response", "final", "error", "eof", "rest",
+                 "_buffer", "_searched")
 
     def __init__(self, state: h11.Connection, stream: AsyncioStream,
                  on_informational: Informational | None) -> None:
@@ -154,10 +134,10 @@ class HeadReader(_Waiting):
         self._wake()
 
 
-class LengthRelay(_Waiting):
+class LengthRelay(Waiting):
     """A body h11 frames, fed to h11 as it arrives; its data delivered per read."""
 
-    __slots__ = ("state", "stream", "deliver", "done", "error", "slow", "stray", "_waiter")
+    __slots__ = ("state", "deliver", "done", "error", "slow", "stray")
 
     def __init__(self, state: h11.Connection, stream: AsyncioStream, deliver: Deliver) -> None:
         self.state = state
