@@ -36,10 +36,15 @@ STREAM_MARKERS: dict[str, tuple[bytes, ...]] = {
 }
 
 
+def _usage_of(answer: Any) -> Body | None:
+    usage = answer.get("usage") if isinstance(answer, dict) else None
+    return usage if isinstance(usage, dict) else None
+
+
 def cached_tokens_of(surface: str, answer: Any) -> int | None:
     """The cached prompt-token count a (prefill) answer reports, or None."""
-    usage = answer.get("usage") if isinstance(answer, dict) else None
-    if not isinstance(usage, dict):
+    usage = _usage_of(answer)
+    if usage is None:
         return None
     if surface in (CHAT, COMPLETIONS):
         details = usage.get("prompt_tokens_details")
@@ -56,8 +61,8 @@ def cached_tokens_of(surface: str, answer: Any) -> int | None:
 
 def prompt_tokens_of(surface: str, answer: Any) -> int | None:
     """The prompt's whole token count a (prefill) answer reports, or None."""
-    usage = answer.get("usage") if isinstance(answer, dict) else None
-    if not isinstance(usage, dict):
+    usage = _usage_of(answer)
+    if usage is None:
         return None
     if surface in (CHAT, COMPLETIONS):
         value = usage.get("prompt_tokens")

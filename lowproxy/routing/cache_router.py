@@ -138,29 +138,27 @@ class CacheRouter:
                                       self.block_tokens, work, self.slack, self.allowance,
                                       self.legs, pinned)
         endpoint = by_label[label]
-        cost = float(max(1, blocks.tokens - matched * self.block_tokens))
-        if chain:
-            self.prefills.record(label, chain)
-        queued_now = self.queued
-        queued_now[endpoint] = queued_now.get(endpoint, 0.0) + cost
-        legs = self.legs
-        legs[label] = legs.get(label, 0) + 1
-        self.mean_cost += (cost - self.mean_cost) / 16.0
+        cost = self._count_choice(endpoint, blocks, matched)
         return endpoint, cost, "load" if not home else "cache" if matched else "cold"
 
     def _only(self, endpoint: Endpoint, blocks: PromptBlocks) -> tuple[Endpoint, float, str]:
         """One usable prefill: nothing to choose (reason ``only``, as for every policy),
         but what it holds and what it queues are counted as for a choice, so that
         the endpoints that come next are chosen on them."""
-        label, chain = endpoint.label, blocks.chain
-        matched = self.prefills.match(label, chain) if chain else 0
+        chain = blocks.chain
+        matched = self.prefills.match(endpoint.label, chain) if chain else 0
+        return endpoint, self._count_choice(endpoint, blocks, matched), "only"
+
+    def _count_choice(self, endpoint: Endpoint, blocks: PromptBlocks, matched: int) -> float:
+        """Remember what went to ``endpoint`` and queue its uncached tokens (returned)."""
+        label = endpoint.label
         cost = float(max(1, blocks.tokens - matched * self.block_tokens))
-        if chain:
-            self.prefills.record(label, chain)
+        if blocks.chain:
+            self.prefills.record(label, blocks.chain)
         self.queued[endpoint] = self.queued.get(endpoint, 0.0) + cost
         self.legs[label] = self.legs.get(label, 0) + 1
         self.mean_cost += (cost - self.mean_cost) / 16.0
-        return endpoint, cost, "only"
+        return cost
 
     def _rendezvous(self, first: int) -> list[str]:
         """The rendezvous order of every configured prefill for ``first`` (kept:
