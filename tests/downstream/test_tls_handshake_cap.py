@@ -91,7 +91,7 @@ def open_fds(pid: int) -> int:
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 async def test_the_daemon_holds_its_cap_on_stalled_tls_handshakes(tmp_path, loop):
     if loop == "uvloop":
-        pytest.importorskip("uvloop")
+        pytest.importorskip("uvloop", reason="uvloop is optional (lowproxy[fast])")
     ca = trustme.CA()
     cert_file, key_file = write_pair(tmp_path, ca.issue_cert("localhost"))
     daemon = Daemon([], {"PD_PROXY_HOST": "127.0.0.1", "PD_PROXY_PORT": "0",

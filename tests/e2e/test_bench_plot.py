@@ -28,7 +28,7 @@ def bench(*options: str, prelude: str = "pass") -> subprocess.CompletedProcess[s
 
 
 def test_plot_writes_the_charts(tmp_path):
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="plots need lowproxy[bench], not in the test extra")
     saved, charts = tmp_path / "run.json", tmp_path / "charts"
     run = bench(*SMALL, "--json-file", str(saved), "--plot", str(charts))
     assert run.returncode == 0, run.stderr

@@ -161,7 +161,7 @@ async def test_sglang_splits_the_other_surfaces_too():
 
 
 async def test_openai_sdk_responses_create_and_stream():
-    openai = pytest.importorskip("openai")
+    openai = pytest.importorskip("openai", reason="the OpenAI client is in the test extra only")
     async with cluster("mooncake") as (proxy, prefill, decode):
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{proxy.port}/v1",
                                     api_key="unused", max_retries=0)

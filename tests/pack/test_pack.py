@@ -334,7 +334,7 @@ async def test_single_file_proxies_a_real_request(pyz: Path, which: str) -> None
 async def test_single_file_reaches_an_https_backend_with_a_ca_file(pyz: Path,
                                                                     tmp_path: Path) -> None:
     """TLS from the archive: the CA file is loaded and a verified connection made."""
-    trustme = pytest.importorskip("trustme")
+    trustme = pytest.importorskip("trustme", reason="trustme is in the test extra only")
     ca = trustme.CA()
     ca_file = tmp_path / "ca.pem"
     ca.cert_pem.write_to_path(str(ca_file))
