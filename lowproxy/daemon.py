@@ -272,6 +272,9 @@ def check_start(config: Config, name: Callable[[str], str] = setting_name()) -> 
             pair_options(config.demo_args)
         except ValueError as exc:
             raise StartError(f"{name('demo_args')}: {exc}") from None
+    if config.peers and config.prefill_policy != "cache-aware":
+        raise StartError(f"{name('peers')} shares cache-aware prefill choices: it needs "
+                         f"{name('prefill_policy')}=cache-aware, not {config.prefill_policy}")
     if config.tls_client_ca_file and not config.tls_cert_file:
         raise StartError(f"{name('tls_client_ca_file')} needs {name('tls_cert_file')} and "
                          f"{name('tls_key_file')} (mTLS is on the HTTPS port)")

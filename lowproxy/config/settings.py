@@ -85,6 +85,7 @@ class Config:
     decode_first_tokens: int = 0
     decode_allowance: int = 4
     min_prefill_prompt_bytes: int = 0
+    peers: tuple[EndpointSpec, ...] = ()
     upstream_keepalive: bool = True
     upstream_max_requests: int = 1000
     upstream_max_age: float = 30.0

@@ -15,6 +15,7 @@ from .values import (
     endpoints,
     int_in,
     optional_seconds,
+    peer_endpoints,
     seconds_value,
     status_value,
     stripped,
@@ -248,6 +249,13 @@ SETTINGS: tuple[Setting, ...] = (
         "--min-prefill-prompt-bytes", int_in(0, 2**40), "0",
         "prompts with less text than this go to decode alone (prefill skipped, reason "
         "short); 0: always disaggregate",
+    ),
+    Setting(
+        "peers", "PD_PROXY_PEERS", "--peers", peer_endpoints, "",
+        "cache-aware: the other proxy replicas (http://host:port, comma-separated, or "
+        "dns+http://name:port), told every prefill choice made here and telling theirs, so "
+        "that replicas taking turns follow one another's legs; empty: nothing shared",
+        repeatable=True,
     ),
     # -- end of routing
     Setting(

@@ -158,6 +158,18 @@ def endpoints(text: str) -> tuple[EndpointSpec, ...]:
     return tuple(parse_endpoint(item) for item in text.split(",") if item.strip())
 
 
+def peer_endpoints(text: str) -> tuple[EndpointSpec, ...]:
+    """Other proxy replicas (PD_PROXY_PEERS): backend URL forms, without a bootstrap port."""
+    specs = endpoints(text)
+    for spec in specs:
+        if spec.bootstrap_port is not None:
+            raise ValueError(f"{spec.label}: a peer takes no #bootstrap_port")
+    return specs
+
+
+peer_endpoints.metavar = "URL"  # type: ignore[attr-defined]
+
+
 def allow_list(text: str) -> tuple[str, ...]:
     """Hosts, host:port pairs and CIDRs; validated here, matched in routing.allow."""
     entries = tuple(item.strip().lower() for item in text.split(",") if item.strip())

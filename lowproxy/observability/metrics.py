@@ -231,6 +231,32 @@ class Metrics:
         self.prefill_cached_tokens = Counter(
             "lowproxy_prefill_cached_tokens_total",
             "Prompt tokens the prefill found in its prefix cache (same legs).", ("handshake",))
+        # PD_PROXY_PEERS (routing/peers.py): prefill choices told to and by other replicas
+        self.peer_batches_sent = Counter(
+            "lowproxy_peer_batches_sent_total",
+            "Batches of prefill choices a peer replica accepted, by peer.", ("peer",))
+        self.peer_records_sent = Counter(
+            "lowproxy_peer_records_sent_total",
+            "Prefill choices a peer replica accepted, by peer.", ("peer",))
+        self.peer_records_dropped = Counter(
+            "lowproxy_peer_records_dropped_total",
+            "Prefill choices not told to a peer (it was busy, down or failed, or a batch "
+            "was full), by peer.", ("peer",))
+        self.peer_send_failures = Counter(
+            "lowproxy_peer_send_failures_total",
+            "Batches a peer did not accept, by peer and kind (unreachable, timeout, "
+            "refused).", ("peer", "kind"))
+        self.peer_batches_received = Counter(
+            "lowproxy_peer_batches_received_total",
+            "Batches received from peers, by outcome (recorded, own, refused).", ("outcome",))
+        self.peer_records_received = Counter(
+            "lowproxy_peer_records_received_total",
+            "Prefill choices received from peers, by outcome (recorded; unknown: a prefill "
+            "not configured here).", ("outcome",))
+        self.peer_up = Gauge("lowproxy_peer_up",
+                             "1 for a peer that accepted its last batch, 0 once one failed.",
+                             ("peer",))
+        self.peers_on = False  # set with PD_PROXY_PEERS: the families above are exported
         self.client_connections.set(0)
         self.in_flight.set(0)
         # (version, python, loop) of this process, set once its loop runs; the same
@@ -246,7 +272,12 @@ class Metrics:
                 self.cooldown, self.bootstrap_entries, self.tasks, self.endpoint_requests,
                 self.endpoint_failures, self.endpoint_health, self.endpoint_in_flight,
                 self.endpoint_engine_load, self.prefill_choice, self.prefill_prompt_tokens,
-                self.prefill_cached_tokens]
+                self.prefill_cached_tokens, *(self.peer_families() if self.peers_on else ())]
+
+    def peer_families(self) -> list:
+        return [self.peer_batches_sent, self.peer_records_sent, self.peer_records_dropped,
+                self.peer_send_failures, self.peer_batches_received, self.peer_records_received,
+                self.peer_up]
 
     def snapshot(self) -> Snapshot:
         """This process's values in plain JSON types (gauge callbacks read now)."""

@@ -33,6 +33,7 @@ from ..routes import (
     HEALTH,
     MESSAGES,
     METRICS,
+    PASSTHROUGH,
     READY,
     classify,
     route_and_surface,
@@ -44,6 +45,7 @@ from ..routing.cache_router import CacheRouter
 from ..routing.engine_load import EngineLoads
 from ..routing.groups import BackendGroup, PrefillTargetAllowList
 from ..routing.health import HealthMonitor
+from ..routing.peers import PEERS_PATH, PeerShare
 from ..routing.prefill import PrefillChooser, TargetRefused
 from ..tls import TrustStore
 from ..upstream.endpoint import Endpoint
@@ -98,6 +100,9 @@ class Proxy:
                                    self.upstream, self.backend_key, config.workers)
         self.health = HealthMonitor(config, self.upstream, self.prefill, self.decode,
                                     self.backend_key)
+        # PD_PROXY_PEERS: prefill choices told to and by the other replicas.
+        self.peers = PeerShare(config, self.upstream, self.router, self.prefill,
+                               self.metrics) if config.peers and self.router else None
         self.draining = False
         self.ids = Ids()  # generated request ids, transfer ids and rids
         self._maintenance: asyncio.Task[None] | None = None
@@ -115,11 +120,15 @@ class Proxy:
         await self.health.first_checks()  # bounded: ready only once decode was checked
         if self.router is not None:
             self.engine_loads.start(loop)  # /metrics every health interval
+        if self.peers is not None:
+            self.peers.start(loop)
         self._maintenance = loop.create_task(self._maintain())
 
     async def refresh_discovery(self) -> None:
         await self.prefill.refresh(self.resolver, self.upstream)
         await self.decode.refresh(self.resolver, self.upstream)
+        if self.peers is not None:
+            await self.peers.refresh(self.resolver)
 
     async def _maintain(self) -> None:
         next_refresh = time.monotonic() + self.config.dns_refresh
@@ -139,6 +148,8 @@ class Proxy:
             self._maintenance.cancel()
         await self.health.close()
         await self.engine_loads.close()
+        if self.peers is not None:
+            await self.peers.close()
         await self.dispatch.close(grace)
         for endpoint in self.all_endpoints():
             self.upstream.close_idle(endpoint)
@@ -150,6 +161,8 @@ class Proxy:
         yield from self.decode.retired
         yield from self.prefill_choice.named.values()
         yield from self.bootstrap.servers()
+        if self.peers is not None:
+            yield from self.peers.endpoints()
 
     # -- the handler
 
@@ -165,6 +178,9 @@ class Proxy:
             # With a metrics port, /metrics (whose labels name backends) is served only there.
             await (self._local(responder, route, 404, answers.NOT_FOUND)
                    if self.config.metrics_port else self._metrics(responder))
+            return
+        if route == PASSTHROUGH and self.peers is not None and request.path == PEERS_PATH:
+            await self._peer_batch(request, responder)  # the peers' own key, not a client's
             return
         if self.client_keys.required and route != ADMIN:
             anthropic = speaks_anthropic(request.path)
@@ -192,6 +208,19 @@ class Proxy:
         finally:
             self.metrics.in_flight.add(-1)
             self._finished(exchange, responder)
+
+    async def _peer_batch(self, request: ClientRequest, responder: ResponseWriter) -> None:
+        """Another replica's prefill choices (routing/peers.py); the admin key when set."""
+        assert self.peers is not None
+        if self.config.admin_api_key and not self.instances.authorised(request):
+            status, body = 403, answers.ADMIN_FORBIDDEN
+        elif request.method != b"POST":
+            status, body = 405, answers.error_body(405, "use POST on this path",
+                                                   "method_not_allowed")
+        else:
+            status, body = self.peers.receive(request.body)
+        request.body = b""
+        await self._local(responder, "peers", status, body)
 
     async def handle_probes_only(self, request: ClientRequest,
                                  responder: ResponseWriter) -> None:

@@ -14,10 +14,20 @@ Block i's key covers every block before it: the xor of the hashes of each
 block paired with a constant of its depth, accumulated (``itertools.accumulate``),
 so the whole chain is computed by C loops over bytes already in hand (issue
 22 budgets 15 µs for routing an 8 KB prompt; a Python loop per block costs
-more). The block hash is Python's own ``hash()`` of bytes: the keys live in
-this process's index only. What replicas must agree on, the first block's
-hash for cold placement, is crc32 (the same in every process). A prompt is
-estimated at TOKEN_BYTES bytes per token.
+more). The block hash is Python's own ``hash()`` of bytes when the keys live
+in this process's index only: siphash, salted per process. With
+PD_PROXY_PEERS, replicas exchange keys (peers.py), so they must be the same
+in every process: ``stable_chain_of`` hashes each block by crc32 and mixes it
+with its depth through CPython's hash of a tuple of ints (unsalted: only str
+and bytes hashes are; the same on every 64-bit CPython since 3.8, and a batch
+carries ``hash_probe`` so a replica of another build refuses it). That costs
+about 2 µs more per 8 KB prompt (crc32 is slower than siphash here: zlib
+1.2.13 has no hardware crc), hence only with peers. A block is then known by
+its 32-bit crc (all edits within 32 bits are seen; two different blocks at
+one depth collide once in 2^32, a misroute that costs one cache miss); the
+chain's keys are 64-bit. What replicas must agree on without peers, the first
+block's hash for cold placement, is crc32 too. A prompt is estimated at
+TOKEN_BYTES bytes per token.
 """
 
 from __future__ import annotations
@@ -120,6 +130,20 @@ def chain_of(data: bytes, block_bytes: int) -> list[int]:
     return list(accumulate(map(hash, zip(blocks, _DEPTHS, strict=False)), xor))
 
 
+def stable_chain_of(data: bytes, block_bytes: int) -> list[int]:
+    """``chain_of`` with keys that are the same in every process (see the module's
+    docstring): crc32 of each block, mixed with its depth's constant."""
+    blocks = _splitter(block_bytes).findall(data)
+    return list(accumulate(map(hash, zip(map(zlib.crc32, blocks), _DEPTHS, strict=False)),
+                           xor))
+
+
+def hash_probe(block_bytes: int) -> int:
+    """A stable chain's last key over a fixed text: equal in two processes only when
+    their stable keys are (peers compare it before they trust each other's keys)."""
+    return stable_chain_of(b"lowproxy" * (2 * block_bytes // 8 + 1), block_bytes)[-1]
+
+
 def _first_turn(surface: str, body: Mapping[str, Any]) -> int:
     """How many rendered messages (each ends with SOH) a conversation's first turn
     takes: the leading system messages and the first other one; 0 (the whole
@@ -137,14 +161,17 @@ def _first_turn(surface: str, body: Mapping[str, Any]) -> int:
     return turns
 
 
-def prompt_blocks(surface: str, body: Mapping[str, Any], block_bytes: int) -> PromptBlocks:
+def prompt_blocks(surface: str, body: Mapping[str, Any], block_bytes: int,
+                  stable: bool = False) -> PromptBlocks:
+    """``stable``: keys the same in every process (PD_PROXY_PEERS), else this one's."""
     data = rendered(surface, body)
     if data is None:
         return NO_BLOCKS
-    chain = chain_of(data, block_bytes)
+    chain = stable_chain_of(data, block_bytes) if stable else chain_of(data, block_bytes)
     first = zlib.crc32(data[:block_bytes])
     return PromptBlocks(chain, len(data) // TOKEN_BYTES + 1, first, data, surface, body,
                         block_bytes)
 
 
-__all__ = ["NO_BLOCKS", "TOKEN_BYTES", "PromptBlocks", "chain_of", "prompt_blocks", "rendered"]
+__all__ = ["NO_BLOCKS", "TOKEN_BYTES", "PromptBlocks", "chain_of", "hash_probe", "prompt_blocks",
+           "rendered", "stable_chain_of"]

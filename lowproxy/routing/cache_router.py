@@ -20,7 +20,7 @@ computes the rest itself.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from ..upstream.endpoint import Endpoint
 from .blocks import TOKEN_BYTES, PromptBlocks, prompt_blocks
@@ -56,9 +56,13 @@ class CacheRouter:
         self.placement = Placement()
         self._ordered: list[str] = []
         self._known: dict[int, tuple[Sequence[Endpoint], set[str]]] = {}
+        # PD_PROXY_PEERS (peers.py): keys the same in every replica, and every prefill
+        # choice told to the peers (label, chain); None without peers: no cost at all.
+        self.stable = bool(getattr(config, "peers", ()))
+        self.shared: Callable[[str, list[int]], None] | None = None
 
     def blocks(self, surface: str, body: Mapping[str, Any]) -> PromptBlocks:
-        return prompt_blocks(surface, body, self.block_bytes)
+        return prompt_blocks(surface, body, self.block_bytes, self.stable)
 
     def _salt_of(self, labels: Sequence[str]) -> dict[str, int]:
         salts = self._salts
@@ -157,6 +161,8 @@ class CacheRouter:
         cost = float(max(1, blocks.tokens - matched * self.block_tokens))
         if blocks.chain:
             self.prefills.record(label, blocks.chain)
+            if self.shared is not None:
+                self.shared(label, blocks.chain)
         self.queued[endpoint] = self.queued.get(endpoint, 0.0) + cost
         self.legs[label] = self.legs.get(label, 0) + 1
         self.mean_cost += (cost - self.mean_cost) / 16.0
