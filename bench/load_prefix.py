@@ -14,7 +14,9 @@ prefill legs per endpoint) and the trace's wall time; beside round robin and
 the one-big-cache reference (one cache of the summed size, fed the prompts in
 the order the first run of the cell sent them). The decode-first rows run the
 chat trace with PD_PROXY_DECODE_FIRST_TOKENS set: the share of turns served
-without a prefill leg and the prefill tokens saved.
+without a prefill leg and the prefill tokens saved. ``--peers``: 2 cache-aware
+replicas are each other's PD_PROXY_PEERS (they tell each other their prefill
+choices), to set beside the same cells without.
 """
 
 from __future__ import annotations
@@ -160,15 +162,18 @@ def wait_listening(port: int) -> None:
 
 
 def run_cell(router: tuple[str, dict[str, str]], name: str, prefills: int, replicas: int,
-             command: list[str]) -> dict[str, Any]:
+             command: list[str], peers: bool = False) -> dict[str, Any]:
     conversations = trace(name)
     decodes = [start("decode") for _ in range(DECODES)]
     backends = [start("prefill", "--bootstrap-port", "0", "--prefix-cache-blocks",
                       str(CACHE_BLOCKS)) for _ in range(prefills)]
     ports = [free_port() for _ in range(replicas)]
     proxies = []
+    peers = peers and replicas > 1 and router[1].get("PD_PROXY_PREFILL_POLICY") == "cache-aware"
     try:
         for port in ports:
+            shared = {"PD_PROXY_PEERS": ",".join(f"http://127.0.0.1:{other}" for other in ports
+                                                 if other != port)} if peers else {}
             env = child_env({
                 "PD_PROXY_HOST": "127.0.0.1", "PD_PROXY_PORT": str(port),
                 "PD_PROXY_PREFILL_URL": ",".join(
@@ -176,7 +181,7 @@ def run_cell(router: tuple[str, dict[str, str]], name: str, prefills: int, repli
                     for _, info in backends),
                 "PD_PROXY_DECODE_URL": ",".join(info["decode"] for _, info in decodes),
                 "PD_PROXY_LOG_LEVEL": "warning", "PD_PROXY_HEALTH_INTERVAL_SECONDS": "1",
-                **router[1]})
+                **router[1], **shared})
             proxies.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL,
                                             stderr=subprocess.DEVNULL, cwd=ROOT))
         for port in ports:
@@ -197,7 +202,7 @@ def run_cell(router: tuple[str, dict[str, str]], name: str, prefills: int, repli
                 choices[reason] = choices.get(reason, 0.0) + count
         total = sum(len(prompt_tokens(path, body)) for path, body in sent)
         return {"router": router[0], "trace": name, "prefills": prefills,
-                "replicas": replicas, "requests": len(sent), "sent": sent,
+                "replicas": replicas, "peers": peers, "requests": len(sent), "sent": sent,
                 "hit_rate": hits / max(queries, 1),
                 "spread": max(legs) / (sum(legs) / len(legs)) if sum(legs) else float("nan"),
                 "wall": wall, "decode_first": saved / max(len(sent), 1), "choices": choices,
@@ -212,7 +217,7 @@ def run_cell(router: tuple[str, dict[str, str]], name: str, prefills: int, repli
 def run(command: list[str], traces: tuple[str, ...] = TRACES,
         prefills_of: tuple[int, ...] = PREFILLS, replicas_of: tuple[int, ...] = REPLICAS,
         routers: tuple[str, ...] = ("cache-aware", "round-robin"),
-        decode_first: bool = True) -> list[dict[str, Any]]:
+        decode_first: bool = True, peers: bool = False) -> list[dict[str, Any]]:
     rows = []
     for name in traces:
         for prefills in prefills_of:
@@ -221,7 +226,7 @@ def run(command: list[str], traces: tuple[str, ...] = TRACES,
                 if router[0] not in routers:
                     continue
                 for replicas in replicas_of:
-                    row = run_cell(router, name, prefills, replicas, command)
+                    row = run_cell(router, name, prefills, replicas, command, peers)
                     first = first or row
                     rows.append(row)
             if first is not None:
@@ -231,7 +236,7 @@ def run(command: list[str], traces: tuple[str, ...] = TRACES,
                              "spread": None, "wall": None})
     if decode_first:
         for replicas in replicas_of:
-            rows.append(run_cell(DECODE_FIRST, "chat", 2, replicas, command))
+            rows.append(run_cell(DECODE_FIRST, "chat", 2, replicas, command, peers))
     for row in rows:
         row.pop("sent", None)
     return rows
@@ -287,7 +292,8 @@ def render(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         spread = "" if r.get("spread") is None else f"{r['spread']:.2f}"
         wall = "" if r.get("wall") is None else f"{r['wall']:.2f}"
-        replicas = "" if r.get("replicas") is None else str(r["replicas"])
+        replicas = "" if r.get("replicas") is None else \
+            f"{r['replicas']}{'+p' if r.get('peers') else ''}"
         skip = "" if r["router"] != "decode-first" else f"{r['decode_first']:.0%}"
         saved = "" if r["router"] != "decode-first" else f"{r['tokens_saved']:.0%}"
         lines.append(f"{r['trace']:<10}{r['prefills']:>9}{r['router']:>15}{replicas:>9}"
@@ -303,6 +309,8 @@ def main() -> None:
     parser.add_argument("--replicas", action="append", type=int, choices=REPLICAS)
     parser.add_argument("--router", action="append", choices=("cache-aware", "round-robin"))
     parser.add_argument("--no-decode-first", action="store_true")
+    parser.add_argument("--peers", action="store_true",
+                        help="2 cache-aware replicas are each other's PD_PROXY_PEERS")
     parser.add_argument("--repeat", type=int, default=1, help="medians of this many runs")
     parser.add_argument("--markdown", action="store_true", help="also the README's table")
     parser.add_argument("--choices", action="store_true", help="also the choice reasons")
@@ -312,7 +320,7 @@ def main() -> None:
         runs.append(run([sys.executable, "-m", "lowproxy"], tuple(args.trace or TRACES),
                         tuple(args.prefills or PREFILLS), tuple(args.replicas or REPLICAS),
                         tuple(args.router or ("cache-aware", "round-robin")),
-                        not args.no_decode_first))
+                        not args.no_decode_first, args.peers))
         if args.repeat > 1:
             print(render(runs[-1]), file=sys.stderr, flush=True)
     rows = medians(runs)

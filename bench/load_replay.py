@@ -12,7 +12,9 @@ the timing differ each run). Figures: hit rate minus the one-big-cache
 reference's, spread (max / mean prefill legs), wall time of the emulation.
 
 ``--share-index`` and ``--share-placement`` give the replicas one PrefixIndex
-or one Placement: what the replicas' disagreement on each costs.
+or one Placement: what the replicas' disagreement on each costs. ``--peers``
+shares as PD_PROXY_PEERS does (routing/peers.py): each replica's prefill
+choices reach the other's index at the next flush (every 50 ms), not at once.
 """
 
 from __future__ import annotations
@@ -54,13 +56,23 @@ class Reports:
         return self.values.get((endpoint.label, field))
 
 
+FLUSH_SECONDS = 0.05  # routing/peers.py
+
+
 def replay(name: str, prefills: int, replicas: int, seed: int, share_index: bool = False,
-           share_placement: bool = False) -> tuple[float, float, float, float]:
+           share_placement: bool = False, peers: bool = False, flush: float = FLUSH_SECONDS
+           ) -> tuple[float, float, float, float]:
     """(hit rate, spread, wall seconds, the one-big-cache reference's hit rate)."""
     conversations = trace(name, seed)
     config = dataclasses.replace(Config(), prefix_cache_tokens=BLOCKS * 16)
     endpoints = [parse_endpoint(f"http://127.0.0.1:{9000 + i}") for i in range(prefills)]
+    if peers:  # the keys every process computes alike, as with PD_PROXY_PEERS
+        config = dataclasses.replace(config, peers=(parse_endpoint("http://127.0.0.1:1"),))
     routers = [CacheRouter(config, Reports()) for _ in range(replicas)]  # type: ignore[arg-type]
+    outboxes: list[list[tuple[str, list[int]]]] = [[] for _ in routers]
+    for router, outbox in zip(routers, outboxes, strict=True):
+        if peers:
+            router.shared = lambda label, chain, outbox=outbox: outbox.append((label, chain))
     for router in routers:
         router.prune("prefill", endpoints)
         if share_index:
@@ -114,6 +126,8 @@ def replay(name: str, prefills: int, replicas: int, seed: int, share_index: bool
 
     heapq.heappush(events, (0.0, next(order), "start", None))
     heapq.heappush(events, (REPORT_SECONDS, next(order), "metrics", None))
+    if peers:
+        heapq.heappush(events, (flush, next(order), "flush", None))
     while events:
         now, _, kind, data = heapq.heappop(events)
         if kind == "start":
@@ -124,6 +138,15 @@ def replay(name: str, prefills: int, replicas: int, seed: int, share_index: bool
                     report(router, index)
             if ready or idle < IN_FLIGHT:
                 heapq.heappush(events, (now + REPORT_SECONDS, next(order), "metrics", None))
+        elif kind == "flush":  # each replica's batch recorded by the others
+            for sender, outbox in enumerate(outboxes):
+                for other, router in enumerate(routers):
+                    if other != sender:
+                        for label, chain in outbox:
+                            router.prefills.record(label, chain)
+                outbox.clear()
+            if ready or idle < IN_FLIGHT:
+                heapq.heappush(events, (now + flush, next(order), "flush", None))
         elif kind == "done":
             index, (conversation, turn, router, cost, _) = data
             busy[index] = False
@@ -149,6 +172,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="22,5,7,11,13", help="trace seeds, comma-separated")
     parser.add_argument("--share-index", action="store_true")
     parser.add_argument("--share-placement", action="store_true")
+    parser.add_argument("--peers", action="store_true", help="share as PD_PROXY_PEERS does")
+    parser.add_argument("--flush", type=float, default=FLUSH_SECONDS,
+                        help="--peers: seconds between batches")
     args = parser.parse_args()
     seeds = [int(seed) for seed in args.seeds.split(",")]
     print(f"replay: {IN_FLIGHT} in flight, {BLOCKS} blocks per prefill, seeds {args.seeds}; "
@@ -158,7 +184,8 @@ def main() -> None:
             line = f"{name:<9}{prefills}"
             for replicas in (1, 2):
                 runs = [replay(name, prefills, replicas, seed, args.share_index,
-                               args.share_placement) for seed in seeds]
+                               args.share_placement, args.peers, args.flush)
+                        for seed in seeds]
                 gaps = [hit - reference for hit, _, _, reference in runs]
                 line += (f" | {replicas} replica{'s' if replicas > 1 else ' '}: "
                          f"{statistics.mean(gaps):+6.1%} worst {min(gaps):+6.1%} spread "

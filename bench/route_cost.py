@@ -6,6 +6,10 @@ decodes: the prompt's blocks, the prefill choice and its release, the decode
 choice and what it served, per request, in µs; beside round robin's choice.
 Noisy on a shared machine: CPU time of this process (process_time), the least
 of 5 runs, and the ratio to a ``json.loads`` of the same body.
+
+``--peers``: as with PD_PROXY_PEERS set: block keys the same in every process
+(crc32, blocks.py), every choice noted for the peers and the batch encoded
+every 64 requests (peer_batch.py; the POSTs themselves not counted).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lowproxy.config import Config, parse_endpoint  # noqa: E402
 from lowproxy.routing.cache_router import CacheRouter  # noqa: E402
 from lowproxy.routing.groups import BackendGroup  # noqa: E402
+from lowproxy.routing.peer_batch import encode  # noqa: E402
 
 IN_FLIGHT = 16
 REQUESTS = 20000
@@ -44,12 +49,17 @@ def bodies(rng: random.Random) -> list[dict]:
 
 def main() -> None:
     rng = random.Random(1)
-    config = dataclasses.replace(Config())
+    peers = "--peers" in sys.argv[1:]
+    config = dataclasses.replace(Config(), peers=(parse_endpoint("http://127.0.0.1:1"),)
+                                 if peers else ())
     prefill = BackendGroup("prefill", [parse_endpoint(f"http://127.0.0.1:{9000 + i}")
                                        for i in range(4)])
     decode = BackendGroup("decode", [parse_endpoint(f"http://127.0.0.1:{9100 + i}")
                                      for i in range(2)])
     router = CacheRouter(config)
+    outbox: list = []
+    if peers:
+        router.shared = lambda label, chain: outbox.append((label, chain))
     prompts = bodies(rng)
     order = [prompts[rng.randrange(len(prompts))] for _ in range(REQUESTS)]
 
@@ -65,6 +75,9 @@ def main() -> None:
                 done, cost, served, held = pending.popleft()
                 router.release_prefill(done, cost)
                 router.served_decode(served, held)
+            if len(outbox) >= 64:
+                encode(1, 2, 512, outbox)
+                outbox.clear()
         return (time.process_time() - started) / len(order) * 1e6
 
     def round_robin() -> float:
@@ -89,7 +102,8 @@ def main() -> None:
     print(f"cache-aware {figures[0]:.1f} µs/request, round robin {figures[1]:.1f} µs, "
           f"json.loads of the body {figures[2]:.1f} µs (cache-aware = "
           f"{figures[0] / figures[2]:.2f} x parsing; {IN_FLIGHT} in flight, 8 KB chat "
-          f"prompts, 4 prefills, 2 decodes, {REQUESTS} requests)")
+          f"prompts, 4 prefills, 2 decodes, {REQUESTS} requests"
+          f"{'; with peers' if peers else ''})")
 
 
 if __name__ == "__main__":

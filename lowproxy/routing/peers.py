@@ -38,7 +38,7 @@ from ..upstream.pool import Resolver, Upstream, UpstreamError, UpstreamTimeout
 from .blocks import hash_probe
 from .cache_router import CacheRouter
 from .groups import BackendGroup
-from .peer_batch import MAX_CHAIN, BatchError, decode, encode
+from .peer_batch import BatchError, decode, encode
 
 log = logging.getLogger("lowproxy.peers")
 
@@ -101,39 +101,51 @@ class PeerShare:
         if len(self.outbox) >= MAX_RECORDS or self.keys + len(chain) > MAX_KEYS:
             self.lost += 1
             return
-        self.outbox.append((label, chain[:MAX_CHAIN]))
+        self.outbox.append((label, chain))  # at most 16384 keys (blocks.py): no copy
         self.keys += len(chain)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._task = loop.create_task(self._run())
 
     async def refresh(self, resolver: Resolver) -> None:
+        """Resolve the dns+ peers again; forget what was known of peers gone."""
         await self.group.refresh(resolver, self.upstream)
+        present = set(self.group.endpoints)
+        self.down &= present
+        self.own &= present
+        for gone in [endpoint for endpoint in self.retry_at if endpoint not in present]:
+            del self.retry_at[gone]
 
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(FLUSH_SECONDS)
-            self.flush()
+            try:
+                self.flush()
+            except Exception:  # pragma: no cover - a bug must not end the sharing
+                log.exception("telling the peers failed")
 
     def flush(self) -> None:
+        """Send what was noted since the last flush to every peer ready for it."""
         records, lost = self.outbox, self.lost
         if not records and not lost:
             return
         self.outbox, self.keys, self.lost = [], 0, 0
-        peers = [endpoint for endpoint in self.group.endpoints if endpoint not in self.own]
-        now = time.monotonic()
-        body = encode(self.replica, self.probe, self.block_bytes, records) if records else b""
-        for endpoint in peers:
-            label = endpoint.label
+        now, ready, dropped = time.monotonic(), [], self.metrics.dropped
+        for endpoint in self.group.endpoints:
+            if endpoint in self.own:
+                continue
             if lost:
-                self.metrics.dropped.inc(label, amount=lost)
-            if not records:
-                continue
+                dropped.inc(endpoint.label, amount=lost)
             if endpoint in self.sending or now < self.retry_at.get(endpoint, 0.0):
-                self.metrics.dropped.inc(label, amount=len(records))  # busy or down
-                continue
-            task = asyncio.get_running_loop().create_task(
-                self._send(endpoint, body, len(records)))
+                dropped.inc(endpoint.label, amount=len(records))  # busy, or failed just now
+            elif records:
+                ready.append(endpoint)
+        if not ready:
+            return
+        body = encode(self.replica, self.probe, self.block_bytes, records)
+        loop = asyncio.get_running_loop()
+        for endpoint in ready:
+            task = loop.create_task(self._send(endpoint, body, len(records)))
             self.sending[endpoint] = task
             task.add_done_callback(functools.partial(self._sent, endpoint))
 
