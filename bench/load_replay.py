@@ -14,7 +14,7 @@ reference's, spread (max / mean prefill legs), wall time of the emulation.
 ``--share-index`` and ``--share-placement`` give the replicas one PrefixIndex
 or one Placement: what the replicas' disagreement on each costs. ``--peers``
 shares as PD_PROXY_PEERS does (routing/peers.py): each replica's prefill
-choices reach the other's index at the next flush (every 50 ms), not at once.
+choices reach the other's index at the next flush (every 20 ms), not at once.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class Reports:
         return self.values.get((endpoint.label, field))
 
 
-FLUSH_SECONDS = 0.05  # routing/peers.py
+FLUSH_SECONDS = 0.02  # routing/peers.py
 
 
 def replay(name: str, prefills: int, replicas: int, seed: int, share_index: bool = False,

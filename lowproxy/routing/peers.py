@@ -43,8 +43,8 @@ from .peer_batch import BatchError, decode, encode
 log = logging.getLogger("lowproxy.peers")
 
 PEERS_PATH = "/lowproxy/peers/choices"
-FLUSH_SECONDS = 0.05
-MAX_RECORDS = 2048  # a batch: 40k choices a second per replica at 50 ms
+FLUSH_SECONDS = 0.02
+MAX_RECORDS = 2048  # a batch: 100k choices a second per replica at 20 ms
 MAX_KEYS = 1 << 16  # 512 KiB of keys
 MAX_BODY_BYTES = 1 << 20  # what a receiver reads; a sender's batch is below it
 SEND_SECONDS = 2.0

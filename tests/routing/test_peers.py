@@ -127,6 +127,8 @@ async def test_a_peer_that_is_down_costs_no_errors_and_no_leak(caplog):
             await wait_until(lambda: not share.sending, what="no send in flight")
             assert peer.in_flight == 0 and peer.open == 0 and len(share.outbox) <= 12
             assert listening.metrics.peer_records_dropped.get(peer_label) >= 1
+            scraped = (await request(config.port, "GET", "/metrics")).body.decode()
+            assert f'lowproxy_peer_up{{peer="{peer_label}"}} 0' in scraped
             down_lines = [r for r in caplog.records if "unreachable" in r.getMessage()]
             assert len(down_lines) == 1 and peer_label in down_lines[0].getMessage()
             assert down_lines[0].levelno == logging.WARNING
@@ -224,3 +226,34 @@ def test_a_peers_mistake_stops_the_start_naming_the_setting(env):
     assert daemon.proc.wait(30) == 2
     lines = [line for line in daemon.output().splitlines() if line.strip()]
     assert len(lines) == 1 and "PD_PROXY_PEERS" in lines[0], lines
+
+
+async def test_choices_beyond_a_batch_and_batches_for_a_busy_peer_are_dropped_not_queued():
+    from lowproxy.routing.peers import MAX_RECORDS
+
+    config = config_for(["http://127.0.0.1:1", "http://127.0.0.1:2"], "http://127.0.0.1:3",
+                        prefill_policy="cache-aware",
+                        peers=(parse_endpoint("http://127.0.0.1:4"),))
+    proxy = Proxy(config)  # not started: nothing is sent
+    share = proxy.peers
+    assert share is not None and proxy.router is not None
+    assert proxy.router.shared == share.note and proxy.router.stable
+    for n in range(MAX_RECORDS + 952):
+        share.note("http://127.0.0.1:1", [n, n + 1])
+    assert len(share.outbox) == MAX_RECORDS and share.lost == 952
+    peer = share.group.endpoints[0]
+    share.retry_at[peer] = float("inf")  # failed just now: this batch is not for it
+    share.flush()
+    assert share.outbox == [] and share.lost == 0 and not share.sending
+    assert proxy.metrics.peer_records_dropped.get(peer.label) == MAX_RECORDS + 952
+    await proxy.close()
+
+
+async def test_without_peers_nothing_is_noted_and_keys_stay_per_process():
+    config = config_for(["http://127.0.0.1:1", "http://127.0.0.1:2"], "http://127.0.0.1:3",
+                        prefill_policy="cache-aware")
+    proxy = Proxy(config)
+    assert proxy.peers is None and proxy.router is not None
+    assert proxy.router.shared is None and not proxy.router.stable
+    assert b"lowproxy_peer" not in proxy.metrics.render()
+    await proxy.close()
