@@ -3,7 +3,7 @@
 A record is (prefill endpoint label, the chain of block keys sent there):
 what CacheRouter._count_choice records in its own index. The body is binary,
 little-endian, built and read by C loops (``array``, ``struct``); a JSON body
-of the same records is 2.7 times larger and 5 times slower to read (16-block
+of the same records is 2.8 times larger and 3 times slower to read (16-block
 chains: 20 digits a key against 8 bytes):
 
     magic "LPC1" | replica u64 | probe i64 | block_bytes u32 | labels u16
