@@ -341,6 +341,15 @@ def warn_unknown_variables(environ: Mapping[str, str]) -> None:
             log.warning("%s is not a lowproxy setting, ignored%s", name, hint)
 
 
+def warn_peers_with_workers(config: Config) -> None:
+    """PD_PROXY_PEERS with --workers: each worker shares its own choices, but a batch
+    reaches one worker of each peer, and a replica's workers tell each other nothing."""
+    if config.peers and config.workers > 1:
+        log.warning("PD_PROXY_PEERS with %d workers (PD_PROXY_WORKERS): each worker keeps "
+                    "its own prefix memory and a peer's batch reaches one of them; run one "
+                    "worker per replica for the sharing to cover it", config.workers)
+
+
 def warn_otel_without_sdk(config: Config) -> None:
     """PD_PROXY_OTEL=1 with only opentelemetry-api: spans would go to the no-op provider."""
     if not config.otel:
@@ -389,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         logs.start_error(str(exc), config.log_format == "json")
         return 2
     warn_otel_without_sdk(config)
+    warn_peers_with_workers(config)
     try:
         if config.workers > 1:
             return _run_workers(config, listeners)

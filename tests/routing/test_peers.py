@@ -257,3 +257,16 @@ async def test_without_peers_nothing_is_noted_and_keys_stay_per_process():
     assert proxy.router.shared is None and not proxy.router.stable
     assert b"lowproxy_peer" not in proxy.metrics.render()
     await proxy.close()
+
+
+def test_peers_with_workers_say_at_start_that_workers_are_not_covered():
+    daemon = Daemon(["--workers", "2"], {
+        "PD_PROXY_HOST": "127.0.0.1", "PD_PROXY_PORT": str(free_port()),
+        "PD_PROXY_DECODE_URL": "http://127.0.0.1:9", "PD_PROXY_HEALTH_INTERVAL_SECONDS": "0",
+        "PD_PROXY_PEERS": f"http://127.0.0.1:{free_port()}"})
+    try:
+        daemon.wait_listening()
+    finally:
+        assert daemon.stop() == 0
+    warned = [line for line in daemon.output().splitlines() if "PD_PROXY_PEERS with" in line]
+    assert len(warned) == 1 and "2 workers" in warned[0], daemon.output()
