@@ -27,22 +27,6 @@ class _NoDeadline:
 _NO_DEADLINE = _NoDeadline()
 
 
-def first_done(loop: asyncio.AbstractEventLoop, *tasks: asyncio.Task[Any]) -> asyncio.Future[None]:
-    """A future done once the first of ``tasks`` is; cancelling it leaves them running.
-
-    What ``asyncio.wait(tasks, return_when=FIRST_COMPLETED)`` is used for, at
-    about half its cost per request: no waiter set, no callbacks to remove.
-    """
-    first: asyncio.Future[None] = loop.create_future()
-
-    def wake(_task: asyncio.Task[Any]) -> None:
-        if not first.done():
-            first.set_result(None)
-
-    for task in tasks:
-        task.add_done_callback(wake)
-    return first
-
 if sys.version_info >= (3, 11):
     def deadline(seconds: float | None) -> Any:
         return _NO_DEADLINE if seconds is None else asyncio.timeout(seconds)

@@ -2,7 +2,7 @@
 
 Each sends one request and reads its answer to a bounded outcome; what the
 outcome means for the client (metrics, logs, the failure policy) is decided by
-dispatch.py. Also here: closing a decode leg that will not be relayed.
+dispatch.py.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ..observability import logs
 from ..timeouts import deadline
 from ..upstream.endpoint import Endpoint
 from ..upstream.errors import UpstreamTimeout, UpstreamUnreachable
-from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse
+from ..upstream.pool import Upstream, UpstreamError
 from .failures import PrefillResult, prefill_outcome
 
 # SGLang's POST /abort_request: best effort, and never waited on by a client.
@@ -130,27 +130,3 @@ class BackgroundTasks:
             task.cancel()
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=1.0)
-
-
-def drop_decode(task: asyncio.Task[UpstreamResponse]) -> None:
-    """Close a decode leg that will not be relayed, however far it got."""
-    if not task.done():
-        task.cancel()  # its connection is discarded: decode sees the drop and aborts
-        task.add_done_callback(_close_late)
-        return
-    _close_late(task)
-
-
-def _close_late(task: asyncio.Task[UpstreamResponse]) -> None:
-    if task.cancelled() or task.exception() is not None:
-        return
-    task.result().abandon()
-
-
-def decode_failed(task: asyncio.Task[UpstreamResponse]) -> bool:
-    """A decode leg that ended without a 2xx head: it raised, or answered an error."""
-    if not task.done():
-        return False
-    if task.cancelled() or task.exception() is not None:
-        return True
-    return not 200 <= task.result().status < 300

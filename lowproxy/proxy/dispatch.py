@@ -27,17 +27,11 @@ from ..observability import logs
 from ..observability.metrics import Metrics
 from ..routing.engine_load import ASK_ORCA, EngineLoads
 from ..routing.groups import BackendGroup
-from ..timeouts import deadline, first_done
+from ..timeouts import deadline
 from ..upstream.endpoint import Endpoint
 from ..upstream.errors import UpstreamUnreachable, UpstreamUntrusted
 from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
-from .auxiliary_legs import (
-    BackgroundTasks,
-    decode_failed,
-    drop_decode,
-    send_abort,
-    send_prefill_leg,
-)
+from .auxiliary_legs import BackgroundTasks, send_abort, send_prefill_leg
 from .exchange import Exchange, PrefillLeg
 from .failure_answers import answer_failure
 from .failures import (
@@ -50,6 +44,7 @@ from .failures import (
     PrefillResult,
     Truncated,
 )
+from .prefill_watch import PrefillWatch
 from .tracing import Tracing
 
 # A non-streamed answer whose usage is rewritten is read whole; larger is cut.
@@ -161,66 +156,100 @@ class Dispatcher:
         client never sees a response that cannot complete. If prefill fails,
         the held decode connection is closed (vLLM aborts the request;
         otherwise it would wait 480 s, or for ever before 0.30). The prefill
-        leg runs in a task of its own: a client that leaves aborts decode at
-        once, but a prefill leg in flight is left to finish (bounded by the
-        prefill timeout), since aborting it mid-transfer can leak KV blocks.
+        leg runs in a task of its own (prefill_watch.py): a client that leaves
+        aborts decode at once, but a prefill leg in flight is left to finish
+        (bounded by the prefill timeout), since aborting it mid-transfer can
+        leak KV blocks. Decode's head is awaited in this task.
         """
+        loop = self.background.running_loop()
         prefill_task = self.background.spawn(self._prefill_leg(exchange, plan, want_kv=False))
-        decode_task = self.background.running_loop().create_task(
-            self._open_decode(exchange, responder, plan.method, plan.decode_target,
-                              plan.decode_body))
+        owner = asyncio.current_task(loop)
+        assert owner is not None, "run in a request's task"
+        watch = PrefillWatch(prefill_task, owner)
+        response: UpstreamResponse | None = None
         prefill_closed = False
         try:
             async with deadline(self.config.decode_timeout):
-                # Wait for prefill, or for decode to fail first (then answer at once).
-                await first_done(self.background.running_loop(), prefill_task, decode_task)
-                if decode_failed(decode_task) and (not prefill_task.done()
-                                                   or decode_task.exception() is not None):
-                    # Decode raised, or answered an error while prefill still runs:
-                    # that is the client's answer, and prefill is not waited for.
+                try:
+                    if plan.abort_rids:
+                        # SGLang: the prefill leg goes out first, then decode in the
+                        # same loop iteration, as SGLang's router orders them. Mooncake
+                        # saves the iteration: decode's request goes now, prefill's in
+                        # the next iteration, as soon as it would have anyway.
+                        await asyncio.sleep(0)
+                    response = await self._open_decode(exchange, responder, plan.method,
+                                                       plan.decode_target, plan.decode_body)
+                except asyncio.CancelledError:
+                    if not watch.ours():
+                        raise
+                    # Prefill failed first: this decode leg is closed (its
+                    # connection discarded as the wait was cancelled).
+                except BaseException:
+                    watch.opening = False
+                    # Decode failed first: that is the client's answer, and a
+                    # prefill still running is not waited for.
                     if not prefill_task.done():
-                        prefill_closed = self._close_prefill(exchange, plan, prefill_task)
-                    return await decode_task
-                result = (prefill_task.result() if prefill_task.done()
-                          else await asyncio.shield(prefill_task))
-                if result.ok:
-                    response = await decode_task
+                        prefill_closed = await self._close_prefill(exchange, plan, prefill_task)
+                    raise
+                watch.opening = False
+                if (response is not None and not 200 <= response.status < 300
+                        and not prefill_task.done()):
+                    # Decode answered an error while prefill still runs: relayed at once.
+                    prefill_closed = await self._close_prefill(exchange, plan, prefill_task)
+                    return response
+                result = await watch.result(loop)
+                if result.ok and response is not None:
                     # Committed: decode reads the KV prefill made.
                     exchange.prefill_cached_tokens = result.cached_tokens
-                else:
-                    self._drop_decode(exchange, decode_task, plan.abort_rids)
-                    body = self._without_kv(exchange, plan, result)
-                    exchange.decode_started = None  # a new decode leg, its own timeout
-                    response = await self._open_decode_bounded(
-                        exchange, responder, plan.method, plan.decode_target, body)
+                    return response
+                self._drop_decode(exchange, response, plan.abort_rids)
+                response = None
+                body = self._without_kv(exchange, plan, result)
+                exchange.decode_started = None  # a new decode leg, its own timeout
+                answer = await self._open_decode_bounded(
+                    exchange, responder, plan.method, plan.decode_target, body)
         except TimeoutError:
-            self._drop_decode(exchange, decode_task, plan.abort_rids)
+            self._drop_decode(exchange, response, plan.abort_rids)
             raise DecodeTimedOut() from None
         except BaseException:
             # The client left, or decode failed: abort decode at once; a prefill
             # still running is left to finish, unless it can be aborted by rid.
-            self._drop_decode(exchange, decode_task, plan.abort_rids)
+            self._drop_decode(exchange, response, plan.abort_rids)
             if not prefill_task.done() and not prefill_closed and plan.prefill is not None:
                 self._abort(exchange, plan.prefill, "prefill", plan.abort_rids)
             raise
-        return response
+        return answer
 
-    def _close_prefill(self, exchange: Exchange, plan: Plan,
-                       prefill_task: asyncio.Task[PrefillResult]) -> bool:
+    async def _close_prefill(self, exchange: Exchange, plan: Plan,
+                             prefill_task: asyncio.Task[PrefillResult]) -> bool:
         """Decode failed first: SGLang's prefill leg (which would wait for that
         decode up to SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s) is aborted by
         rid and closed; a vLLM one is left to finish, as aborting it
-        mid-transfer can leak KV blocks."""
+        mid-transfer can leak KV blocks.
+
+        Two loop iterations first: decode's failure reaches this point as it
+        did when decode ran in a task of its own (through its done callback and
+        a wake-up), so a prefill leg whose connection was being made is sent,
+        then aborted, as before; never on the path of a request that succeeds.
+        """
         if not plan.abort_rids or plan.prefill is None:
+            return False
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        if prefill_task.done():
             return False
         self._abort(exchange, plan.prefill, "prefill", plan.abort_rids)
         prefill_task.cancel()  # its connection is discarded: SGLang notices that too
         return True
 
-    def _drop_decode(self, exchange: Exchange, task: asyncio.Task[UpstreamResponse],
+    def _drop_decode(self, exchange: Exchange, response: UpstreamResponse | None,
                      abort_rids: tuple[str, ...]) -> None:
-        """Close a decode leg that will not be relayed, and abort it by rid (SGLang)."""
-        drop_decode(task)
+        """Close a decode leg that will not be relayed, and abort it by rid (SGLang).
+
+        A leg whose head had not come is closed already: the cancelled or
+        failed wait discarded its connection."""
+        if response is not None:
+            response.abandon()
         if exchange.decode_endpoint is not None:
             self._abort(exchange, exchange.decode_endpoint, "decode", abort_rids)
 
