@@ -15,7 +15,7 @@ from .._types import Headers
 from ..answers import json_body
 from ..handshakes.backend_json import MAX_PREFILL_ANSWER_BYTES
 from ..observability import logs
-from ..timeouts import deadline
+from ..timeouts import Deadlines, deadline
 from ..upstream.endpoint import Endpoint
 from ..upstream.errors import UpstreamTimeout, UpstreamUnreachable
 from ..upstream.pool import Upstream, UpstreamError
@@ -31,7 +31,7 @@ log = logging.getLogger("lowproxy.dispatch")
 
 async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes,
                            headers: Headers, body: bytes, extra_headers: Headers,
-                           want_kv: bool, timeout: float,
+                           want_kv: bool, timeout: float, deadlines: Deadlines,
                            surface: str | None = None,
                            on_load: Callable[[bytes | None], None] | None = None,
                            ) -> tuple[PrefillResult, int | None]:
@@ -42,7 +42,7 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
     """
     status = None
     try:
-        async with deadline(timeout):
+        with deadlines.within(timeout):
             response = await upstream.request(endpoint, b"POST", target, headers, body,
                                               extra_headers=extra_headers)
             status = response.status

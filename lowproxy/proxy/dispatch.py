@@ -27,7 +27,7 @@ from ..observability import logs
 from ..observability.metrics import Metrics
 from ..routing.engine_load import ASK_ORCA, EngineLoads
 from ..routing.groups import BackendGroup
-from ..timeouts import deadline
+from ..timeouts import Deadlines
 from ..upstream.endpoint import Endpoint
 from ..upstream.errors import UpstreamUnreachable, UpstreamUntrusted
 from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
@@ -77,10 +77,11 @@ class Dispatcher:
         self.metrics = metrics
         self.tracing = tracing
         self.background = BackgroundTasks()  # prefill legs left to finish, aborts
+        self.deadlines = Deadlines()  # the legs' bounds
         self.engine_loads: EngineLoads | None = None  # set by the proxy: ORCA reports
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.background.loop = loop
+        self.background.loop = self.deadlines.loop = loop
 
     async def close(self, grace: float = 0.0) -> None:
         """Prefill legs in flight get ``grace`` seconds, then are cancelled."""
@@ -169,7 +170,7 @@ class Dispatcher:
         response: UpstreamResponse | None = None
         prefill_closed = False
         try:
-            async with deadline(self.config.decode_timeout):
+            with self.deadlines.within(self.config.decode_timeout):
                 try:
                     if plan.abort_rids:
                         # SGLang: the prefill leg goes out first, then decode in the
@@ -281,7 +282,7 @@ class Dispatcher:
                                    method: bytes, target: bytes,
                                    body: bytes | None) -> UpstreamResponse:
         try:
-            async with self._decode_deadline(exchange):
+            with self._decode_deadline(exchange):
                 return await self._open_decode(exchange, responder, method, target, body)
         except TimeoutError:
             raise DecodeTimedOut() from None
@@ -311,7 +312,7 @@ class Dispatcher:
             try:
                 # PD_PROXY_DECODE_FIRST_BYTE_TIMEOUT_SECONDS bounds the wait for
                 # decode's response head (none by default: it waits for the KV).
-                async with deadline(self.config.decode_first_byte_timeout):
+                with self.deadlines.within(self.config.decode_first_byte_timeout):
                     # 1xx (103 Early Hints) go on to the client (RFC 9110 15.2).
                     response = await self.upstream.request(
                         endpoint, method, target, exchange.upstream_headers, body,
@@ -350,14 +351,15 @@ class Dispatcher:
         """
         limit = self.config.decode_timeout
         if limit is None or exchange.decode_started is None:
-            return deadline(limit)
-        return deadline(max(0.0, limit - (time.perf_counter() - exchange.decode_started)))
+            return self.deadlines.within(limit)
+        return self.deadlines.within(
+            max(0.0, limit - (time.perf_counter() - exchange.decode_started)))
 
     async def _copy_answer(self, exchange: Exchange, responder: ResponseWriter,
                            response: UpstreamResponse, abort_rids: tuple[str, ...]) -> None:
         """Relay an opened decode response within the decode timeout; always close it."""
         try:
-            async with self._decode_deadline(exchange):
+            with self._decode_deadline(exchange):
                 await self._relay(exchange, responder, response)
         except TimeoutError:
             raise DecodeTimedOut() from None
@@ -461,7 +463,7 @@ class Dispatcher:
         try:
             result, status = await send_prefill_leg(
                 self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
-                plan.prefill_body, extra, want_kv, self.config.prefill_timeout,
+                plan.prefill_body, extra, want_kv, self.config.prefill_timeout, self.deadlines,
                 exchange.surface if self.config.rewrite_cached_tokens else None,
                 None if loads is None else lambda report: loads.orca(endpoint, report))
         finally:
