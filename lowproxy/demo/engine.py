@@ -212,6 +212,8 @@ def parse(route: str, body: dict[str, Any]) -> Parsed:
     if route == MESSAGES:
         if _int(body, "max_tokens") is None:
             raise Problem(400, "max_tokens: Field required", "max_tokens")
+        if not isinstance(body.get("messages"), list):  # AnthropicMessagesRequest's own
+            raise Problem(400, "messages: Field required", "messages")
         # Converted to a chat request: fields Anthropic does not define are dropped.
         sampling = sampling_of(body, ("max_tokens",), "stop_sequences", honour_extras=False)
         prompt = tokenize(render_messages(body.get("messages"), body.get("system")))

@@ -139,6 +139,8 @@ class CacheRouter:
                                       self.legs, pinned)
         endpoint = by_label[label]
         cost = self._count_choice(endpoint, blocks, matched)
+        if home and chain:
+            self.placement.settled(first, label)
         return endpoint, cost, "load" if not home else "cache" if matched else "cold"
 
     def _only(self, endpoint: Endpoint, blocks: PromptBlocks) -> tuple[Endpoint, float, str]:

@@ -470,6 +470,14 @@ async def test_messages_without_max_tokens_is_400_in_anthropic_shape():
         assert reply.json()["error"]["type"] == "invalid_request_error"
 
 
+async def test_messages_without_messages_is_400_as_vllm_answers():
+    async with single() as decode:
+        for body in ({"max_tokens": 4}, {"max_tokens": 4, "messages": "hello"}):
+            reply = await request(decode.port, "POST", MESSAGES, body)
+            assert reply.status == 400 and reply.json()["type"] == "error"
+            assert "messages" in reply.json()["error"]["message"]
+
+
 # -- POST /inference/v1/generate (token in, token out)
 
 

@@ -120,6 +120,45 @@ def test_placement_spreads_a_group_above_its_share_and_balances_the_rest():
     assert len(placement.homes) == 9 and max(load.values()) <= 1.25 * 50 / 4
 
 
+def test_placement_keeps_a_group_where_it_already_is_while_it_fits():
+    """The first assignment does not move a group off the endpoint that holds it
+    (moving costs its prefix once more and the conversations it held), but one
+    that would not fit there moves."""
+    labels = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
+    salts = {label: label_salt(label) for label in labels}
+
+    def order(group: int) -> list[str]:
+        return ranked(labels, salts, group)
+
+    def assigned(settle: bool) -> dict:
+        placement = Placement(every=40, decay=1.0)
+        for group in range(100, 110):
+            for _ in range(4):
+                placement.observe(group)
+            if settle:  # each group went to the last endpoint of its order
+                placement.settled(group, order(group)[-1])
+        placement.assign(labels, order, 0.25)
+        return placement.homes
+
+    fresh, settled = assigned(False), assigned(True)
+    moved = [group for group in fresh if fresh[group] != settled[group]]
+    assert moved  # where a group is decides, not only its order
+    # 40 requests, 4 per group: 12.5 per endpoint at most, three groups. Walked in
+    # group order, a group stays unless three before it stayed there already.
+    stayed = {label: 0 for label in labels}
+    for group in range(100, 110):
+        where = order(group)[-1]
+        if stayed[where] < 3:
+            assert settled[group] == (where,)
+            stayed[where] += 1
+        else:
+            assert settled[group] != (where,)
+    counts = {label: 0 for label in labels}
+    for homes in settled.values():
+        counts[homes[0]] += 1
+    assert max(counts.values()) <= 3
+
+
 def test_a_conversations_opening_is_the_same_every_turn_and_its_own():
     system = {"role": "system", "content": "s" * 2000}
     first = prompt_blocks("chat", {"messages": [system, {"role": "user", "content": "hi"}]}, 512)
