@@ -2,7 +2,8 @@
 
 Read top to bottom, as Go's ReverseProxy is: ``run`` opens decode's response
 (``_decode_response``: decode only, the legs in turn, or both at once with the
-commit point), then copies decode's answer to the client (``_copy_answer``).
+commit point), then copies decode's answer to the client (``_copy_answer``, with
+answer_copy.py).
 Every failure on the way is an exception of the Failure family, and one
 function, ``failure_answers.answer_failure``, decides its metric label, its log
 line and the client's answer. The prefill-failure policy (PD_PROXY_ON_PREFILL_FAILURE) is
@@ -16,13 +17,10 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from .._types import Headers
 from ..config.settings import Config
 from ..downstream.messages import ClientGone, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.legs import Plan
-from ..handshakes.usage import rewrite_body, rewrite_events
-from ..headers import client_response_head
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..routing.engine_load import ASK_ORCA, EngineLoads
@@ -31,6 +29,7 @@ from ..timeouts import Deadlines
 from ..upstream.endpoint import Endpoint
 from ..upstream.errors import UpstreamUnreachable, UpstreamUntrusted
 from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
+from .answer_copy import relay
 from .auxiliary_legs import BackgroundTasks, send_abort, send_prefill_leg
 from .exchange import Exchange, PrefillLeg
 from .failure_answers import answer_failure
@@ -42,13 +41,9 @@ from .failures import (
     PrefillFailed,
     PrefillRefused,
     PrefillResult,
-    Truncated,
 )
 from .prefill_watch import PrefillWatch
 from .tracing import Tracing
-
-# A non-streamed answer whose usage is rewritten is read whole; larger is cut.
-MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
 
 log = logging.getLogger("lowproxy.dispatch")
 
@@ -360,7 +355,7 @@ class Dispatcher:
         """Relay an opened decode response within the decode timeout; always close it."""
         try:
             with self._decode_deadline(exchange):
-                await self._relay(exchange, responder, response)
+                await relay(self.metrics, exchange, responder, response)
         except TimeoutError:
             raise DecodeTimedOut() from None
         except (asyncio.CancelledError, ClientGone) as exc:
@@ -370,64 +365,6 @@ class Dispatcher:
             raise
         finally:
             await response.aclose()
-
-    async def _relay(self, exchange: Exchange, responder: ResponseWriter,
-                     response: UpstreamResponse) -> None:
-        """Decode's status, headers and body to the client, as each read arrives.
-
-        The body is never decompressed or re-parsed; what one read from decode
-        brought goes out in one write, and a slow client makes the relay stop
-        reading from decode (back-pressure).
-        """
-        headers, content_length = client_response_head(response.headers, exchange.wants_stream)
-        cached = exchange.prefill_cached_tokens
-        surface = exchange.surface
-        if cached is not None and surface is not None and 200 <= response.status < 300:
-            # The prefill's cached-token figure goes into decode's usage.
-            if content_length is not None:
-                await self._relay_rewritten(exchange, responder, response, headers, surface,
-                                            cached)
-                return
-        else:
-            surface = None
-        await responder.start(response.status, headers, content_length)
-        del headers
-        response.headers = []  # relayed: a stream that lasts minutes keeps no copy
-        first_byte = self.metrics.decode_first_byte
-
-        def deliver(pieces: list[bytes]) -> bool:
-            if exchange.first_byte_ms is None:
-                exchange.first_byte_ms = exchange.elapsed_ms()
-                first_byte.observe(exchange.first_byte_ms / 1000.0)
-            if surface is not None:
-                pieces = [rewrite_events(surface, piece, cached or 0) for piece in pieces]
-            return responder.relay(pieces)
-
-        try:
-            await response.deliver_body(deliver, responder.wait_for_client)
-        except UpstreamError as exc:
-            raise Truncated(exc.detail, response.endpoint.label) from None
-        if exchange.first_byte_ms is None:
-            exchange.first_byte_ms = exchange.elapsed_ms()
-            first_byte.observe(exchange.first_byte_ms / 1000.0)
-        await responder.end()
-        self.metrics.decode_legs.inc("ok")
-
-    async def _relay_rewritten(self, exchange: Exchange, responder: ResponseWriter,
-                               response: UpstreamResponse, headers: Headers, surface: str,
-                               cached: int) -> None:
-        """A length-framed answer, read whole, its usage rewritten, its length recomputed."""
-        try:
-            raw = await response.read(MAX_REWRITTEN_BYTES)
-        except UpstreamError as exc:
-            raise Truncated(exc.detail, response.endpoint.label) from None
-        exchange.first_byte_ms = exchange.elapsed_ms()
-        self.metrics.decode_first_byte.observe(exchange.first_byte_ms / 1000.0)
-        body = rewrite_body(surface, raw, cached) or raw
-        await responder.start(response.status, headers, len(body))
-        responder.buffer(body)  # head, body and end go out in one write
-        await responder.end()
-        self.metrics.decode_legs.inc("ok")
 
     # -- SGLang aborts: no leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT
 
