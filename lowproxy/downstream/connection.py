@@ -314,7 +314,11 @@ class ClientConnection:
             # h11 parses a head that arrived whole whatever its size; its own
             # limit only bounds a head still incomplete. Measure what it consumed.
             head_size = self._head_bytes - len(conn.trailing_data[0])
-            refused = refusal(event, head_reads or [b""], head_size, self.limits)
+            # The names lowercased as h11's Headers yields them, without its
+            # per-item Sequence iteration (raw_items() is one list comprehension).
+            headers = [(name if name.islower() else name.lower(), value)
+                       for name, value in event.headers.raw_items()]
+            refused = refusal(event, head_reads or [b""], head_size, self.limits, headers)
             if refused is not None:
                 status, message, kind, *extra = refused
                 await self._reject(status, message, kind, extra[0] if extra else None,
@@ -331,10 +335,6 @@ class ClientConnection:
         if body is None:
             return None
         self._disarm()
-        # The names lowercased as h11's Headers yields them, without its
-        # per-item Sequence iteration (raw_items() is one list comprehension).
-        headers = [(name if name.islower() else name.lower(), value)
-                   for name, value in event.headers.raw_items()]
         return ClientRequest(event.method, origin_target(event.target), headers,
                              body, event.http_version, self.watch_client)
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import h11
 
+from .._types import Headers
+
 ALLOWED_METHODS = (b"GET", b"POST", b"HEAD", b"OPTIONS")
 
 # RFC 9112 3: servers should take request lines of at least 8000 octets; a
@@ -42,8 +44,12 @@ Refusal = tuple[Any, ...]
 
 
 def refusal(event: h11.Request, head_reads: list[bytes], head_size: int,
-            limits: Limits) -> Refusal | None:
-    """Why a parsed request head is refused; None to serve it."""
+            limits: Limits, headers: Headers | None = None) -> Refusal | None:
+    """Why a parsed request head is refused; None to serve it.
+
+    ``headers``: the event's headers with lowercase names, when the caller has
+    them already (h11's Headers iterates item by item through Sequence's
+    generic ``__iter__``)."""
     if event.http_version not in (b"1.0", b"1.1"):
         return 505, "HTTP version not supported", "bad_request"
     if event.method not in ALLOWED_METHODS:
@@ -59,7 +65,7 @@ def refusal(event: h11.Request, head_reads: list[bytes], head_size: int,
             return 400, f"malformed request: {problem}", "bad_request"
     declared = None
     chunked = False
-    for name, value in event.headers:
+    for name, value in event.headers if headers is None else headers:
         if name == b"content-length":
             declared = int(value)
         elif name == b"transfer-encoding":

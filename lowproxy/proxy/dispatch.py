@@ -395,7 +395,10 @@ class Dispatcher:
         started = time.perf_counter()
         exchange.prefill_backend = endpoint.label
         exchange.prefill_leg = PrefillLeg.RUNNING
-        loads = self.engine_loads
+        # An ORCA report informs cache-aware routing's choice between prefill endpoints:
+        # with one endpoint there is no choice, and asking costs the engine a report
+        # and this leg a header each way (issue 21).
+        loads = self.engine_loads if len(self.prefill.endpoints) > 1 else None
         extra = plan.prefill_headers if loads is None else [*plan.prefill_headers, ASK_ORCA]
         try:
             result, status = await send_prefill_leg(

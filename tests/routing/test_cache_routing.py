@@ -318,3 +318,16 @@ async def test_an_endpoint_leaving_moves_only_its_own_placed_groups():
                 assert gone not in after and where[prompt] == {urls.index(after[0])}
                 if before[prompt] != (gone,):
                     assert after == before[prompt]  # stayed where its cache is
+
+
+async def test_one_prefill_endpoint_asks_for_no_orca_report():
+    # A report can only inform a choice between prefill endpoints: with one there is
+    # none, and the engine would compute a report for every leg for nothing.
+    async with pd_backends(prefills=1, decodes=1) as (pre, dec):
+        async with proxy_for(pre, dec) as running:
+            assert running.proxy.dispatch.engine_loads is not None  # cache-aware is on
+            reply = await running.request("POST", CHAT, turns(system(0), "hi"))
+            assert reply.status == 200
+            asked = posts(pre[0])
+            assert len(asked) == 1
+            assert asked[0].header("endpoint-load-metrics-format") is None
