@@ -15,11 +15,13 @@ import os
 
 
 class Ids:
-    __slots__ = ("_prefix", "_count")
+    __slots__ = ("_prefix", "_count", "_uuid_head")
 
     def __init__(self) -> None:
-        self._prefix = os.urandom(8).hex()
+        self._prefix = prefix = os.urandom(8).hex()
         self._count = itertools.count(1)
+        # next_uuid's first three groups: the prefix's alone, so written once.
+        self._uuid_head = f"{prefix[:8]}-{prefix[8:12]}-4{prefix[13:16]}-"
 
     def next_hex(self) -> str:
         """32 hex digits, never the same twice in this process."""
@@ -32,6 +34,5 @@ class Ids:
         The version digit takes 4 of the prefix's 64 random bits; the variant digit
         is the counter's highest, 0 for the first 2^60 ids, so ids stay distinct.
         """
-        h = self.next_hex()
-        variant = "89ab"[int(h[16], 16) & 3]
-        return f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{variant}{h[17:20]}-{h[20:]}"
+        count = f"{next(self._count):016x}"  # next_hex()'s last 16 digits
+        return f"{self._uuid_head}{'89ab'[int(count[0], 16) & 3]}{count[1:4]}-{count[4:]}"

@@ -32,11 +32,12 @@ class BootstrapError(Exception):
 class EngineMap:
     """One prefill endpoint's ranks and engine ids, and whose turn is next."""
 
-    __slots__ = ("ranks", "engine_ids", "_turn")
+    __slots__ = ("ranks", "engine_ids", "bootstrap_addr", "_turn")
 
     def __init__(self, engines: dict[str, str]) -> None:
         self.ranks = sorted(engines, key=lambda rank: (len(rank), rank))
         self.engine_ids = engines
+        self.bootstrap_addr = ""  # decode's remote_bootstrap_addr, set once it is cached
         self._turn = 0
 
     def next_rank(self) -> tuple[str, str]:
@@ -86,13 +87,20 @@ class BootstrapCache:
     def forget(self, endpoint: Endpoint) -> None:
         self._maps.pop(endpoint.label, None)
 
-    async def engines(self, endpoint: Endpoint) -> EngineMap:
-        """The endpoint's engine map, from the cache or one (shared) query."""
+    def cached(self, endpoint: Endpoint) -> EngineMap | None:
+        """The endpoint's engine map if it is cached (nearly always): no coroutine to await."""
         key = endpoint.label
         cached = self._maps.get(key)
         if cached is not None:
             self._maps.move_to_end(key)
+        return cached
+
+    async def engines(self, endpoint: Endpoint) -> EngineMap:
+        """The endpoint's engine map, from the cache or one (shared) query."""
+        cached = self.cached(endpoint)
+        if cached is not None:
             return cached
+        key = endpoint.label
         pending = self._queries.get(key)
         if pending is None:
             pending = asyncio.ensure_future(self._query(endpoint))
@@ -118,6 +126,7 @@ class BootstrapCache:
         finally:
             if self._on_query is not None:
                 self._on_query(loop.time() - started, ok)
+        engine_map.bootstrap_addr = self.bootstrap_addr(endpoint)  # once, not per request
         self._maps[endpoint.label] = engine_map
         while len(self._maps) > CACHE_ENTRIES:
             self._maps.popitem(last=False)

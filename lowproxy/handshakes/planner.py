@@ -107,15 +107,16 @@ async def _two_legs(config: Config, bootstrap: BootstrapCache, ids: Ids, request
         rid = f"lowproxy-{ids.next_hex()}"  # fixed width: no rid is a prefix of another
         return sglang.plan(body, target, path, prefill, prefill.bootstrap_host, port,
                            _new_room, rid, surface)
-    try:
-        engines = await bootstrap.engines(prefill)
-    except BootstrapError as exc:
-        failed = decode_only_plan(b"POST", target, None, client_body=body,
-                                  prefill_failure=str(exc))
-        failed.prefill = prefill
-        return failed
+    engines = bootstrap.cached(prefill)
+    if engines is None:
+        try:
+            engines = await bootstrap.engines(prefill)
+        except BootstrapError as exc:
+            failed = decode_only_plan(b"POST", target, None, client_body=body,
+                                      prefill_failure=str(exc))
+            failed.prefill = prefill
+            return failed
     rank, engine_id = engines.next_rank()
     # xfer-<uuid4>: the llm-d sidecar's form, kept so logs and tools line up.
-    return mooncake.plan(body, target, path, prefill, rank, engine_id,
-                         bootstrap.bootstrap_addr(prefill), f"xfer-{ids.next_uuid()}", surface,
-                         serialise_leg)
+    return mooncake.plan(body, target, path, prefill, rank, engine_id, engines.bootstrap_addr,
+                         f"xfer-{ids.next_uuid()}", surface, serialise_leg)

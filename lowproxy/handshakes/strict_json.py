@@ -42,11 +42,22 @@ def _finite_float(text: str) -> float:
 _DECODER = json.JSONDecoder(parse_constant=_no_constant, parse_float=_finite_float)
 
 
+def text_of(raw: bytes) -> str:
+    """JSON bytes as text, as json.loads decodes them (RFC 8259 8.1, and its BOM rules).
+
+    An object whose second byte is not NUL is UTF-8 by json.detect_encoding's
+    own rules (no BOM starts with '{', UTF-16 and UTF-32 put NUL in the first
+    two bytes): the common case skips that Python-level function."""
+    if raw[:1] == b"{" and raw[1:2] != b"\x00":
+        return raw.decode("utf-8", "surrogatepass")
+    return raw.decode(json.detect_encoding(raw), "surrogatepass")
+
+
 def loads(raw: bytes) -> Any:
     """The JSON value in ``raw``; NotJson or TooDeep if it is not one to pass on."""
     try:
         # What json.loads does with bytes, on the decoder made once.
-        value = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
+        value = _DECODER.decode(text_of(raw))
     except RecursionError:
         raise TooDeep() from None
     except ValueError:  # UnicodeDecodeError is a ValueError

@@ -26,6 +26,7 @@ from typing import Any
 
 from .._types import Body
 from ..routes import CHAT, COMPLETIONS, MESSAGES, RESPONSES
+from .strict_json import text_of
 
 # What only an event carrying usage contains, per surface.
 STREAM_MARKERS: dict[str, tuple[bytes, ...]] = {
@@ -196,7 +197,7 @@ def _usage_in(surface: str, event: Body) -> Any:
 
 def _object(raw: bytes) -> Body | None:
     try:
-        value = json.loads(raw)
+        value = _DECODER.decode(text_of(raw))  # json.loads(raw), on the decoder made once
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

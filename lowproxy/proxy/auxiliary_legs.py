@@ -2,7 +2,7 @@
 
 Each sends one request and reads its answer to a bounded outcome; what the
 outcome means for the client (metrics, logs, the failure policy) is decided by
-dispatch.py. Also here: closing a decode leg that will not be relayed.
+dispatch.py.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from .._types import Headers
 from ..answers import json_body
 from ..handshakes.backend_json import MAX_PREFILL_ANSWER_BYTES
 from ..observability import logs
-from ..timeouts import deadline
+from ..timeouts import Deadlines, deadline
 from ..upstream.endpoint import Endpoint
 from ..upstream.errors import UpstreamTimeout, UpstreamUnreachable
-from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse
+from ..upstream.pool import Upstream, UpstreamError
 from .failures import PrefillResult, prefill_outcome
 
 # SGLang's POST /abort_request: best effort, and never waited on by a client.
@@ -31,7 +31,7 @@ log = logging.getLogger("lowproxy.dispatch")
 
 async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes,
                            headers: Headers, body: bytes, extra_headers: Headers,
-                           want_kv: bool, timeout: float,
+                           want_kv: bool, timeout: float, deadlines: Deadlines,
                            surface: str | None = None,
                            on_load: Callable[[bytes | None], None] | None = None,
                            ) -> tuple[PrefillResult, int | None]:
@@ -42,7 +42,7 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
     """
     status = None
     try:
-        async with deadline(timeout):
+        with deadlines.within(timeout):
             response = await upstream.request(endpoint, b"POST", target, headers, body,
                                               extra_headers=extra_headers)
             status = response.status
@@ -130,27 +130,3 @@ class BackgroundTasks:
             task.cancel()
         if self.tasks:
             await asyncio.wait(list(self.tasks), timeout=1.0)
-
-
-def drop_decode(task: asyncio.Task[UpstreamResponse]) -> None:
-    """Close a decode leg that will not be relayed, however far it got."""
-    if not task.done():
-        task.cancel()  # its connection is discarded: decode sees the drop and aborts
-        task.add_done_callback(_close_late)
-        return
-    _close_late(task)
-
-
-def _close_late(task: asyncio.Task[UpstreamResponse]) -> None:
-    if task.cancelled() or task.exception() is not None:
-        return
-    task.result().abandon()
-
-
-def decode_failed(task: asyncio.Task[UpstreamResponse]) -> bool:
-    """A decode leg that ended without a 2xx head: it raised, or answered an error."""
-    if not task.done():
-        return False
-    if task.cancelled() or task.exception() is not None:
-        return True
-    return not 200 <= task.result().status < 300

@@ -2,7 +2,8 @@
 
 Read top to bottom, as Go's ReverseProxy is: ``run`` opens decode's response
 (``_decode_response``: decode only, the legs in turn, or both at once with the
-commit point), then copies decode's answer to the client (``_copy_answer``).
+commit point), then copies decode's answer to the client (``_copy_answer``, with
+answer_copy.py).
 Every failure on the way is an exception of the Failure family, and one
 function, ``failure_answers.answer_failure``, decides its metric label, its log
 line and the client's answer. The prefill-failure policy (PD_PROXY_ON_PREFILL_FAILURE) is
@@ -16,28 +17,20 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from .._types import Headers
 from ..config.settings import Config
 from ..downstream.messages import ClientGone, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.legs import Plan
-from ..handshakes.usage import rewrite_body, rewrite_events
-from ..headers import client_response_head
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..routing.engine_load import ASK_ORCA, EngineLoads
 from ..routing.groups import BackendGroup
-from ..timeouts import deadline, first_done
+from ..timeouts import Deadlines
 from ..upstream.endpoint import Endpoint
 from ..upstream.errors import UpstreamUnreachable, UpstreamUntrusted
 from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
-from .auxiliary_legs import (
-    BackgroundTasks,
-    decode_failed,
-    drop_decode,
-    send_abort,
-    send_prefill_leg,
-)
+from .answer_copy import relay
+from .auxiliary_legs import BackgroundTasks, send_abort, send_prefill_leg
 from .exchange import Exchange, PrefillLeg
 from .failure_answers import answer_failure
 from .failures import (
@@ -48,12 +41,9 @@ from .failures import (
     PrefillFailed,
     PrefillRefused,
     PrefillResult,
-    Truncated,
 )
+from .prefill_watch import PrefillWatch
 from .tracing import Tracing
-
-# A non-streamed answer whose usage is rewritten is read whole; larger is cut.
-MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
 
 log = logging.getLogger("lowproxy.dispatch")
 
@@ -82,10 +72,11 @@ class Dispatcher:
         self.metrics = metrics
         self.tracing = tracing
         self.background = BackgroundTasks()  # prefill legs left to finish, aborts
+        self.deadlines = Deadlines()  # the legs' bounds
         self.engine_loads: EngineLoads | None = None  # set by the proxy: ORCA reports
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.background.loop = loop
+        self.background.loop = self.deadlines.loop = loop
 
     async def close(self, grace: float = 0.0) -> None:
         """Prefill legs in flight get ``grace`` seconds, then are cancelled."""
@@ -161,66 +152,100 @@ class Dispatcher:
         client never sees a response that cannot complete. If prefill fails,
         the held decode connection is closed (vLLM aborts the request;
         otherwise it would wait 480 s, or for ever before 0.30). The prefill
-        leg runs in a task of its own: a client that leaves aborts decode at
-        once, but a prefill leg in flight is left to finish (bounded by the
-        prefill timeout), since aborting it mid-transfer can leak KV blocks.
+        leg runs in a task of its own (prefill_watch.py): a client that leaves
+        aborts decode at once, but a prefill leg in flight is left to finish
+        (bounded by the prefill timeout), since aborting it mid-transfer can
+        leak KV blocks. Decode's head is awaited in this task.
         """
+        loop = self.background.running_loop()
         prefill_task = self.background.spawn(self._prefill_leg(exchange, plan, want_kv=False))
-        decode_task = self.background.running_loop().create_task(
-            self._open_decode(exchange, responder, plan.method, plan.decode_target,
-                              plan.decode_body))
+        owner = asyncio.current_task(loop)
+        assert owner is not None, "run in a request's task"
+        watch = PrefillWatch(prefill_task, owner)
+        response: UpstreamResponse | None = None
         prefill_closed = False
         try:
-            async with deadline(self.config.decode_timeout):
-                # Wait for prefill, or for decode to fail first (then answer at once).
-                await first_done(self.background.running_loop(), prefill_task, decode_task)
-                if decode_failed(decode_task) and (not prefill_task.done()
-                                                   or decode_task.exception() is not None):
-                    # Decode raised, or answered an error while prefill still runs:
-                    # that is the client's answer, and prefill is not waited for.
+            with self.deadlines.within(self.config.decode_timeout):
+                try:
+                    if plan.abort_rids:
+                        # SGLang: the prefill leg goes out first, then decode in the
+                        # same loop iteration, as SGLang's router orders them. Mooncake
+                        # saves the iteration: decode's request goes now, prefill's in
+                        # the next iteration, as soon as it would have anyway.
+                        await asyncio.sleep(0)
+                    response = await self._open_decode(exchange, responder, plan.method,
+                                                       plan.decode_target, plan.decode_body)
+                except asyncio.CancelledError:
+                    if not watch.ours():
+                        raise
+                    # Prefill failed first: this decode leg is closed (its
+                    # connection discarded as the wait was cancelled).
+                except BaseException:
+                    watch.opening = False
+                    # Decode failed first: that is the client's answer, and a
+                    # prefill still running is not waited for.
                     if not prefill_task.done():
-                        prefill_closed = self._close_prefill(exchange, plan, prefill_task)
-                    return await decode_task
-                result = (prefill_task.result() if prefill_task.done()
-                          else await asyncio.shield(prefill_task))
-                if result.ok:
-                    response = await decode_task
+                        prefill_closed = await self._close_prefill(exchange, plan, prefill_task)
+                    raise
+                watch.opening = False
+                if (response is not None and not 200 <= response.status < 300
+                        and not prefill_task.done()):
+                    # Decode answered an error while prefill still runs: relayed at once.
+                    prefill_closed = await self._close_prefill(exchange, plan, prefill_task)
+                    return response
+                result = await watch.result(loop)
+                if result.ok and response is not None:
                     # Committed: decode reads the KV prefill made.
                     exchange.prefill_cached_tokens = result.cached_tokens
-                else:
-                    self._drop_decode(exchange, decode_task, plan.abort_rids)
-                    body = self._without_kv(exchange, plan, result)
-                    exchange.decode_started = None  # a new decode leg, its own timeout
-                    response = await self._open_decode_bounded(
-                        exchange, responder, plan.method, plan.decode_target, body)
+                    return response
+                self._drop_decode(exchange, response, plan.abort_rids)
+                response = None
+                body = self._without_kv(exchange, plan, result)
+                exchange.decode_started = None  # a new decode leg, its own timeout
+                answer = await self._open_decode_bounded(
+                    exchange, responder, plan.method, plan.decode_target, body)
         except TimeoutError:
-            self._drop_decode(exchange, decode_task, plan.abort_rids)
+            self._drop_decode(exchange, response, plan.abort_rids)
             raise DecodeTimedOut() from None
         except BaseException:
             # The client left, or decode failed: abort decode at once; a prefill
             # still running is left to finish, unless it can be aborted by rid.
-            self._drop_decode(exchange, decode_task, plan.abort_rids)
+            self._drop_decode(exchange, response, plan.abort_rids)
             if not prefill_task.done() and not prefill_closed and plan.prefill is not None:
                 self._abort(exchange, plan.prefill, "prefill", plan.abort_rids)
             raise
-        return response
+        return answer
 
-    def _close_prefill(self, exchange: Exchange, plan: Plan,
-                       prefill_task: asyncio.Task[PrefillResult]) -> bool:
+    async def _close_prefill(self, exchange: Exchange, plan: Plan,
+                             prefill_task: asyncio.Task[PrefillResult]) -> bool:
         """Decode failed first: SGLang's prefill leg (which would wait for that
         decode up to SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s) is aborted by
         rid and closed; a vLLM one is left to finish, as aborting it
-        mid-transfer can leak KV blocks."""
+        mid-transfer can leak KV blocks.
+
+        Two loop iterations first: decode's failure reaches this point as it
+        did when decode ran in a task of its own (through its done callback and
+        a wake-up), so a prefill leg whose connection was being made is sent,
+        then aborted, as before; never on the path of a request that succeeds.
+        """
         if not plan.abort_rids or plan.prefill is None:
+            return False
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        if prefill_task.done():
             return False
         self._abort(exchange, plan.prefill, "prefill", plan.abort_rids)
         prefill_task.cancel()  # its connection is discarded: SGLang notices that too
         return True
 
-    def _drop_decode(self, exchange: Exchange, task: asyncio.Task[UpstreamResponse],
+    def _drop_decode(self, exchange: Exchange, response: UpstreamResponse | None,
                      abort_rids: tuple[str, ...]) -> None:
-        """Close a decode leg that will not be relayed, and abort it by rid (SGLang)."""
-        drop_decode(task)
+        """Close a decode leg that will not be relayed, and abort it by rid (SGLang).
+
+        A leg whose head had not come is closed already: the cancelled or
+        failed wait discarded its connection."""
+        if response is not None:
+            response.abandon()
         if exchange.decode_endpoint is not None:
             self._abort(exchange, exchange.decode_endpoint, "decode", abort_rids)
 
@@ -252,7 +277,7 @@ class Dispatcher:
                                    method: bytes, target: bytes,
                                    body: bytes | None) -> UpstreamResponse:
         try:
-            async with self._decode_deadline(exchange):
+            with self._decode_deadline(exchange):
                 return await self._open_decode(exchange, responder, method, target, body)
         except TimeoutError:
             raise DecodeTimedOut() from None
@@ -282,7 +307,7 @@ class Dispatcher:
             try:
                 # PD_PROXY_DECODE_FIRST_BYTE_TIMEOUT_SECONDS bounds the wait for
                 # decode's response head (none by default: it waits for the KV).
-                async with deadline(self.config.decode_first_byte_timeout):
+                with self.deadlines.within(self.config.decode_first_byte_timeout):
                     # 1xx (103 Early Hints) go on to the client (RFC 9110 15.2).
                     response = await self.upstream.request(
                         endpoint, method, target, exchange.upstream_headers, body,
@@ -321,15 +346,16 @@ class Dispatcher:
         """
         limit = self.config.decode_timeout
         if limit is None or exchange.decode_started is None:
-            return deadline(limit)
-        return deadline(max(0.0, limit - (time.perf_counter() - exchange.decode_started)))
+            return self.deadlines.within(limit)
+        return self.deadlines.within(
+            max(0.0, limit - (time.perf_counter() - exchange.decode_started)))
 
     async def _copy_answer(self, exchange: Exchange, responder: ResponseWriter,
                            response: UpstreamResponse, abort_rids: tuple[str, ...]) -> None:
         """Relay an opened decode response within the decode timeout; always close it."""
         try:
-            async with self._decode_deadline(exchange):
-                await self._relay(exchange, responder, response)
+            with self._decode_deadline(exchange):
+                await relay(self.metrics, exchange, responder, response)
         except TimeoutError:
             raise DecodeTimedOut() from None
         except (asyncio.CancelledError, ClientGone) as exc:
@@ -339,64 +365,6 @@ class Dispatcher:
             raise
         finally:
             await response.aclose()
-
-    async def _relay(self, exchange: Exchange, responder: ResponseWriter,
-                     response: UpstreamResponse) -> None:
-        """Decode's status, headers and body to the client, as each read arrives.
-
-        The body is never decompressed or re-parsed; what one read from decode
-        brought goes out in one write, and a slow client makes the relay stop
-        reading from decode (back-pressure).
-        """
-        headers, content_length = client_response_head(response.headers, exchange.wants_stream)
-        cached = exchange.prefill_cached_tokens
-        surface = exchange.surface
-        if cached is not None and surface is not None and 200 <= response.status < 300:
-            # The prefill's cached-token figure goes into decode's usage.
-            if content_length is not None:
-                await self._relay_rewritten(exchange, responder, response, headers, surface,
-                                            cached)
-                return
-        else:
-            surface = None
-        await responder.start(response.status, headers, content_length)
-        del headers
-        response.headers = []  # relayed: a stream that lasts minutes keeps no copy
-        first_byte = self.metrics.decode_first_byte
-
-        def deliver(pieces: list[bytes]) -> bool:
-            if exchange.first_byte_ms is None:
-                exchange.first_byte_ms = exchange.elapsed_ms()
-                first_byte.observe(exchange.first_byte_ms / 1000.0)
-            if surface is not None:
-                pieces = [rewrite_events(surface, piece, cached or 0) for piece in pieces]
-            return responder.relay(pieces)
-
-        try:
-            await response.deliver_body(deliver, responder.wait_for_client)
-        except UpstreamError as exc:
-            raise Truncated(exc.detail, response.endpoint.label) from None
-        if exchange.first_byte_ms is None:
-            exchange.first_byte_ms = exchange.elapsed_ms()
-            first_byte.observe(exchange.first_byte_ms / 1000.0)
-        await responder.end()
-        self.metrics.decode_legs.inc("ok")
-
-    async def _relay_rewritten(self, exchange: Exchange, responder: ResponseWriter,
-                               response: UpstreamResponse, headers: Headers, surface: str,
-                               cached: int) -> None:
-        """A length-framed answer, read whole, its usage rewritten, its length recomputed."""
-        try:
-            raw = await response.read(MAX_REWRITTEN_BYTES)
-        except UpstreamError as exc:
-            raise Truncated(exc.detail, response.endpoint.label) from None
-        exchange.first_byte_ms = exchange.elapsed_ms()
-        self.metrics.decode_first_byte.observe(exchange.first_byte_ms / 1000.0)
-        body = rewrite_body(surface, raw, cached) or raw
-        await responder.start(response.status, headers, len(body))
-        responder.buffer(body)  # head, body and end go out in one write
-        await responder.end()
-        self.metrics.decode_legs.inc("ok")
 
     # -- SGLang aborts: no leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT
 
@@ -435,7 +403,7 @@ class Dispatcher:
         try:
             result, status = await send_prefill_leg(
                 self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
-                plan.prefill_body, extra, want_kv, self.config.prefill_timeout,
+                plan.prefill_body, extra, want_kv, self.config.prefill_timeout, self.deadlines,
                 exchange.surface if self.config.rewrite_cached_tokens else None,
                 None if loads is None else lambda report: loads.orca(endpoint, report))
         finally:

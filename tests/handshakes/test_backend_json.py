@@ -207,3 +207,20 @@ def test_strict_json_is_the_one_parser_of_client_bodies_and_backend_answers() ->
     for too_deep in (deep, b"[" * 100000 + b"]" * 100000):
         with pytest.raises(strict_json.TooDeep):
             strict_json.loads(too_deep)
+
+
+def test_text_of_decodes_as_json_loads_does():
+    """The UTF-8 fast path of strict_json.text_of gives json.loads' own text, whatever
+    the encoding or the BOM (RFC 8259 8.1 and json.detect_encoding's rules)."""
+    import codecs
+    import json
+
+    from lowproxy.handshakes.strict_json import text_of
+
+    documents = ['{"a":1}', "{}", "{", '{"é":"\u20ac"}', "[1]", " {}", '"x"', "1"]
+    encoded = [document.encode(encoding) for document in documents
+               for encoding in ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be",
+                                "utf-16", "utf-32", "utf-8-sig")]
+    encoded += [b"{\x00", b"{\x00\x00\x00", b"{\x00x", codecs.BOM_UTF8 + b"{}", b"\xff\xfe{\x00"]
+    for raw in encoded:
+        assert text_of(raw) == raw.decode(json.detect_encoding(raw), "surrogatepass"), raw

@@ -321,3 +321,24 @@ def test_handshake_defaults():
     assert (config.mooncake_bootstrap_port, config.sglang_bootstrap_port) == (9001, 9002)
     assert config.on_prefill_failure == "error" and config.dns_refresh == 2.5
     assert config.prefill_timeout == 7.0
+
+
+async def test_a_cached_map_is_found_without_a_query_and_carries_its_bootstrap_addr(monkeypatch):
+    cache, fake = _cache(monkeypatch)
+    endpoint = Endpoint(parse_endpoint("http://10.0.0.5:8000#bootstrap_port=9"))
+    assert cache.cached(endpoint) is None and fake.calls == []  # looking does not query
+    engines = await cache.engines(endpoint)
+    assert engines.bootstrap_addr == cache.bootstrap_addr(endpoint) == "http://10.0.0.5:9"
+    assert cache.cached(endpoint) is engines and fake.calls == [endpoint.label]
+    cache.forget(endpoint)
+    assert cache.cached(endpoint) is None
+
+
+def test_a_transfer_id_is_the_next_hex_id_in_uuid4_shape():
+    from lowproxy.ids import Ids
+
+    ids = Ids()
+    first = ids.next_hex()  # the counter's 1
+    h = first[:16] + f"{2:016x}"  # what next_hex() would give next
+    variant = "89ab"[int(h[16], 16) & 3]
+    assert ids.next_uuid() == f"{h[:8]}-{h[8:12]}-4{h[13:16]}-{variant}{h[17:20]}-{h[20:]}"

@@ -1,0 +1,79 @@
+"""Decode's answer to the client: relayed as it arrives, or read whole when its usage is rewritten.
+
+dispatch.py opens decode's response; this copies it, inside the decode timeout
+dispatch sets, and raises Truncated when decode breaks off.
+"""
+
+from __future__ import annotations
+
+from .._types import Headers
+from ..downstream.messages import ResponseWriter
+from ..handshakes.usage import rewrite_body, rewrite_events
+from ..headers import client_response_head
+from ..observability.metrics import Metrics
+from ..upstream.pool import UpstreamError, UpstreamResponse
+from .exchange import Exchange
+from .failures import Truncated
+
+# A non-streamed answer whose usage is rewritten is read whole; larger is cut.
+MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
+
+
+async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
+                response: UpstreamResponse) -> None:
+    """Decode's status, headers and body to the client, as each read arrives.
+
+    The body is never decompressed or re-parsed; what one read from decode
+    brought goes out in one write, and a slow client makes the relay stop
+    reading from decode (back-pressure).
+    """
+    headers, content_length = client_response_head(response.headers, exchange.wants_stream)
+    cached = exchange.prefill_cached_tokens
+    surface = exchange.surface
+    if cached is not None and surface is not None and 200 <= response.status < 300:
+        # The prefill's cached-token figure goes into decode's usage.
+        if content_length is not None:
+            await _relay_rewritten(metrics, exchange, responder, response, headers, surface,
+                                  cached)
+            return
+    else:
+        surface = None
+    await responder.start(response.status, headers, content_length)
+    del headers
+    response.headers = []  # relayed: a stream that lasts minutes keeps no copy
+    first_byte = metrics.decode_first_byte
+
+    def deliver(pieces: list[bytes]) -> bool:
+        if exchange.first_byte_ms is None:
+            exchange.first_byte_ms = exchange.elapsed_ms()
+            first_byte.observe(exchange.first_byte_ms / 1000.0)
+        if surface is not None:
+            pieces = [rewrite_events(surface, piece, cached or 0) for piece in pieces]
+        return responder.relay(pieces)
+
+    try:
+        await response.deliver_body(deliver, responder.wait_for_client)
+    except UpstreamError as exc:
+        raise Truncated(exc.detail, response.endpoint.label) from None
+    if exchange.first_byte_ms is None:
+        exchange.first_byte_ms = exchange.elapsed_ms()
+        first_byte.observe(exchange.first_byte_ms / 1000.0)
+    await responder.end()
+    metrics.decode_legs.inc("ok")
+
+
+async def _relay_rewritten(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
+                           response: UpstreamResponse, headers: Headers, surface: str,
+                           cached: int) -> None:
+    """A length-framed answer, read whole, its usage rewritten, its length recomputed."""
+    try:
+        raw = await response.read(MAX_REWRITTEN_BYTES)
+    except UpstreamError as exc:
+        raise Truncated(exc.detail, response.endpoint.label) from None
+    exchange.first_byte_ms = exchange.elapsed_ms()
+    metrics.decode_first_byte.observe(exchange.first_byte_ms / 1000.0)
+    body = rewrite_body(surface, raw, cached) or raw
+    await responder.start(response.status, headers, len(body))
+    responder.buffer(body)  # head, body and end go out in one write
+    await responder.end()
+    metrics.decode_legs.inc("ok")
