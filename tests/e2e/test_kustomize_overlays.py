@@ -272,3 +272,20 @@ def test_dashboard_panels_are_well_formed() -> None:
         for target in panel.get("targets", []):
             assert target["datasource"]["uid"] == "${datasource}"
             assert 'namespace=~"$namespace"' in target["expr"], panel["title"]
+
+
+def test_the_peers_overlay_names_a_headless_service_over_the_proxy_pods() -> None:
+    """PD_PROXY_PEERS reaches every ready proxy pod on the port its path is on."""
+    objects = render(KUBERNETES / "overlays" / "peers")
+    pod, container = pod_and_container(objects)
+    config, _ = load_config([], environ=literal_env(container))
+    (peer,) = config.peers
+    assert peer.discover and peer.scheme == "http"
+    (service,) = [obj for obj in objects if obj["kind"] == "Service"
+                  and obj["metadata"]["name"] == peer.host]
+    assert service["spec"]["clusterIP"] == "None"  # headless: every pod's address
+    labels = the(objects, "Deployment")["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == peer.port == int(literal_env(container)["PD_PROXY_PORT"])
+    assert config.prefill_policy == "cache-aware"  # peers need it (checked at start)
