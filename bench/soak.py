@@ -99,11 +99,22 @@ def say(text: str) -> None:
 
 
 def generated_twice(prefill: FaultyBackend, gate: FaultGate) -> dict[str, int]:
-    """Soak ids a backend received more than once: a generation the proxy ran twice."""
+    """Soak ids generated more than once: a prefill or a decode that received one twice.
+
+    But for a prefill fault, decode counts what it answered: under a concurrent
+    handshake the decode leg sent beside a prefill that then fails is held
+    until the proxy closes it (decode, waiting for that prefill's KV, aborts
+    it having generated nothing), and the recompute after it is the one
+    generation. Every other fault counts what decode received, so a POST sent
+    again after decode took it (no POST replay) shows whether decode answered
+    the first or not."""
     twice = {f"prefill {i} ({prefill.fault_of[i]})": n
              for i, n in prefill.received_ids.items() if n > 1}
-    twice.update({f"decode {i} ({gate.fault_of[i]})": n
-                  for i, n in gate.received.items() if n > 1})
+    for i, n in gate.received.items():
+        fault = gate.fault_of[i]
+        count = gate.answered[i] if fault.startswith("prefill_") else n
+        if count > 1:
+            twice[f"decode {i} ({fault})"] = count
     return twice
 
 

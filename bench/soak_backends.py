@@ -138,6 +138,11 @@ class FaultGate:
     def __init__(self, decode_port: int) -> None:
         self.decode_port = decode_port
         self.received: Counter[str] = Counter()  # requests the proxy sent, by soak id
+        # Decode answers begun (a response head relayed), by soak id: a concurrent
+        # handshake's decode leg closed while it waited for its failed prefill's
+        # KV answered nothing and generated nothing; the recompute after it is
+        # the one generation.
+        self.answered: Counter[str] = Counter()
         self.fault_of: dict[str, str] = {}  # soak id -> fault, for the report
         # decode_stray_later: "sent" while the proxy's connection was idle, "skipped"
         # when the proxy had already sent something on it, "crossed" when its next
@@ -310,6 +315,8 @@ class GateLink:
             event = await self._up_event(up_reader, up)
         if not isinstance(event, h11.Response):
             return False  # decode closed without answering: so does the gate
+        if soak_id:
+            self.gate.answered[soak_id] += 1
         self.writer.write(self._head(event, fault, soak_id))
         while True:
             event = await self._up_event(up_reader, up)

@@ -262,3 +262,14 @@ def test_hostile_usage_is_judged_by_the_bytes_decode_sent():
     soak.judge("decode_hostile_usage", Reply(200, sent, True, headers), "s6", False)
     soak.judge("decode_hostile_usage", Reply(200, changed, True, headers), "s6", False)
     assert soak.outcomes["served"] == 1 and soak.outcomes["answered wrong"] == 1
+
+
+def test_a_held_decode_leg_closed_for_its_failed_prefill_is_not_a_second_generation():
+    """Under Mooncake the decode leg sent beside a prefill that fails is closed by the
+    proxy before decode answers (decode aborts it), and the recompute is the one
+    generation; a decode that answered that id twice did generate twice."""
+    from collections import Counter
+    prefill = SimpleNamespace(received_ids={}, fault_of={})
+    gate = SimpleNamespace(received=Counter({"a": 2, "b": 2}), answered=Counter({"a": 1, "b": 2}),
+                           fault_of={"a": "prefill_500", "b": "prefill_hang"})
+    assert generated_twice(prefill, gate) == {"decode b (prefill_hang)": 2}
