@@ -5,13 +5,13 @@ replicas taking turns each know half, and split a conversation's cache
 between endpoints (bench/load_replay.py --share-index shows what one shared
 index recovers). With peers set, every prefill choice (the endpoint's label
 and the prompt's chain of block keys, as CacheRouter._count_choice records
-them) is told to every peer: gathered for FLUSH_SECONDS, at most MAX_RECORDS
-records and MAX_KEYS keys a batch (the rest is dropped and counted), then
-POSTed once to each peer over lowproxy's pooled upstream client
-(peer_batch.py's binary body). A peer still busy with the last batch, or
-failed within RETRY_SECONDS, is skipped for this one: batches are dropped,
-never queued. One warning names a peer when it becomes unreachable, one when
-it answers again.
+them) is told to every peer: gathered for FLUSH_SECONDS from the first one
+(no choice, no wake-up), at most MAX_RECORDS records and MAX_KEYS keys a
+batch (the rest is dropped and counted), then POSTed once to each peer over
+lowproxy's pooled upstream client (peer_batch.py's binary body). A peer
+still busy with the last batch, or failed within RETRY_SECONDS, is skipped
+for this one: batches are dropped, never queued. One warning names a peer
+when it becomes unreachable, one when it answers again.
 
 A receiving replica records each chain in its own prefill index for the
 labels it knows, as if it had sent it (not in its queued work: the sender's
@@ -90,7 +90,8 @@ class PeerShare:
         self.own: set[Endpoint] = set()  # this replica itself (a dns+ name): skipped
         self._sequence = 0
         self._known: tuple[list[Endpoint] | None, set[str]] = (None, set())
-        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        self._flush_timer: asyncio.TimerHandle | None = None  # armed by the first note
         router.shared = self.note
         metrics.peer_up.read = self.up
 
@@ -103,9 +104,12 @@ class PeerShare:
             return
         self.outbox.append((label, chain))  # at most 16384 keys (blocks.py): no copy
         self.keys += len(chain)
+        # The first choice since a flush arms the next one: no choice, no wake-up.
+        if self._flush_timer is None and self._loop is not None:
+            self._flush_timer = self._loop.call_later(FLUSH_SECONDS, self._flush_due)
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._task = loop.create_task(self._run())
+        self._loop = loop
 
     async def refresh(self, resolver: Resolver) -> None:
         """Resolve the dns+ peers again; forget what was known of peers gone."""
@@ -116,13 +120,12 @@ class PeerShare:
         for gone in [endpoint for endpoint in self.retry_at if endpoint not in present]:
             del self.retry_at[gone]
 
-    async def _run(self) -> None:
-        while True:
-            await asyncio.sleep(FLUSH_SECONDS)
-            try:
-                self.flush()
-            except Exception:  # pragma: no cover - a bug must not end the sharing
-                log.exception("telling the peers failed")
+    def _flush_due(self) -> None:
+        self._flush_timer = None
+        try:
+            self.flush()
+        except Exception:  # pragma: no cover - a bug must not end the sharing
+            log.exception("telling the peers failed")
 
     def flush(self) -> None:
         """Send what was noted since the last flush to every peer ready for it."""
@@ -205,9 +208,10 @@ class PeerShare:
                         "until it answers", endpoint.label, why)
 
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.wait([self._task], timeout=1.0)
+        self._loop = None  # nothing is armed again
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
         pending = list(self.sending.values())
         for task in pending:
             task.cancel()

@@ -270,3 +270,24 @@ def test_peers_with_workers_say_at_start_that_workers_are_not_covered():
         assert daemon.stop() == 0
     warned = [line for line in daemon.output().splitlines() if "PD_PROXY_PEERS with" in line]
     assert len(warned) == 1 and "2 workers" in warned[0], daemon.output()
+
+
+async def test_a_flush_is_armed_by_a_choice_and_only_then():
+    """No choice, no wake-up: the first choice since a flush arms the next one."""
+    config = config_for(["http://127.0.0.1:1", "http://127.0.0.1:2"], "http://127.0.0.1:3",
+                        prefill_policy="cache-aware",
+                        peers=(parse_endpoint("http://127.0.0.1:4"),))
+    proxy = Proxy(config)  # not started: the share alone
+    share = proxy.peers
+    assert share is not None
+    share.start(asyncio.get_running_loop())
+    assert share._flush_timer is None
+    share.note("http://127.0.0.1:1", [1, 2])
+    timer = share._flush_timer
+    assert timer is not None
+    share.note("http://127.0.0.1:1", [3])
+    assert share._flush_timer is timer  # one flush for the batch
+    share.retry_at[share.group.endpoints[0]] = float("inf")  # nothing is sent
+    await asyncio.sleep(0.1)
+    assert share._flush_timer is None and share.outbox == []
+    await proxy.close()
