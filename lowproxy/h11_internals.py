@@ -39,13 +39,30 @@ Relied on, each pinned by tests/downstream/test_h11_fence.py:
 - ``Connection._cstate.keep_alive``, ``Connection._request_method``,
   ``Connection._writer``, ``Connection._process_event`` and
   ``Connection._process_error``: what ``send_with_data_passthrough`` does
-  with a response once it is cleaned up, and what decides the clean-up.
+  with a response once it is cleaned up, and what decides the clean-up;
+- ``Connection._receive_buffer`` and what ``next_event`` does with an event
+  its reader made (``_process_event`` for their role, ``_process_error`` and
+  ``_reraise_as_remote_protocol_error`` when that fails), for
+  ``receive_head`` below.
+
+Receiving, ``receive_head`` takes a backend's response head (cut at its blank
+line) the way ``receive_data`` and ``next_event`` would, for the heads every
+backend sends: HTTP/1.1, CRLF line ends, no folded lines, visible bytes in
+names and values. In that subset of h11's grammar its parse is a split on
+CRLF and on each line's first colon, values stripped of spaces and tabs,
+which one regex over the whole head checks at C speed; the event is built
+with ``_parsed`` and goes through h11's state machine as its reader's would.
+Anything else (HTTP/1.0, bare LF, obs-fold, a control byte, a framing h11
+refuses) goes to h11's own parser, which decides. Half of what h11 spends on
+a head is its line splitting and per-line regexes (two heads per request).
 
 The upper bound on h11 in pyproject.toml stays below a release that changes
 any of them until this module is adapted.
 """
 
 from __future__ import annotations
+
+import re
 
 import h11
 
@@ -118,3 +135,46 @@ def informational(status: int, headers: Headers, reason: bytes) -> h11.Informati
     """A 1xx head the proxy relays or writes."""
     return h11.InformationalResponse(status_code=status, headers=headers, reason=reason,
                                      http_version=b"1.1", _parsed=True)
+
+
+# A response head in the part of h11's grammar (h11/_abnf.py) where its parse
+# is a split: HTTP/1.1, a three-digit status, a reason of visible bytes,
+# spaces and tabs; header lines of a token, a colon and a value of visible
+# bytes (obs-text included) separated by spaces or tabs, each ended by CRLF;
+# the blank line. Every head this matches, h11 reads into the same event.
+_PLAIN_RESPONSE_HEAD = re.compile(
+    rb"HTTP/1\.1 ([0-9]{3})(?: ([\t\x20-\x7e\x80-\xff]*))?\r\n"
+    rb"((?:[-!#$%&'*+.^_`|~0-9a-zA-Z]+:[ \t]*"
+    rb"(?:[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*)?[ \t]*\r\n)*)\r\n")
+
+
+def receive_head(conn: h11.Connection, head: bytes) -> object:
+    """``conn.receive_data(head)`` then ``conn.next_event()``, for a response head
+    cut at its blank line: the same event, states and errors (fenced)."""
+    match = _PLAIN_RESPONSE_HEAD.fullmatch(head)
+    if match is None or conn._receive_buffer or conn.their_state is not h11.SEND_RESPONSE:
+        conn.receive_data(head)
+        return conn.next_event()
+    status = int(match[1])
+    headers = []
+    block = match[3]
+    if block:
+        for line in block[:-2].split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            headers.append((name, value.strip(b" \t")))
+    try:
+        event: h11.Response | h11.InformationalResponse = (
+            h11.Response if status >= 200 else h11.InformationalResponse)(
+            status_code=status, headers=headers, reason=match[2] or b"",
+            http_version=b"1.1", _parsed=True)
+    except h11.LocalProtocolError:  # a framing or status h11 refuses: its parser says how
+        conn.receive_data(head)
+        return conn.next_event()
+    try:
+        conn._process_event(conn.their_role, event)
+    except BaseException as exc:  # as next_event does
+        conn._process_error(conn.their_role)
+        if isinstance(exc, h11.LocalProtocolError):
+            exc._reraise_as_remote_protocol_error()
+        raise
+    return event

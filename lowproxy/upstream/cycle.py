@@ -6,9 +6,10 @@ response is parsed in the connection's data_received callback by the sinks
 here, so a response that arrives in one segment costs one task wake-up:
 
 - HeadReader cuts each head at its blank line and hands h11 exactly that, so
-  h11 never holds body bytes; 1xx heads go to a callback (RFC 9110 section
-  15.2), the final one wakes the waiting request; bytes after it are kept for
-  the body's relay.
+  h11 never holds body bytes (h11_internals.receive_head: the common head
+  parsed by one regex and a split, the event through h11's state machine);
+  1xx heads go to a callback (RFC 9110 section 15.2), the final one wakes
+  the waiting request; bytes after it are kept for the body's relay.
 - LengthRelay feeds h11 a body it frames itself (Content-Length, no body, or
   to the close) and delivers h11's Data events.
 - A chunked body goes through chunked.ChunkedRelay, which decodes it without
@@ -27,8 +28,8 @@ from typing import Any
 
 import h11
 
+from ..h11_internals import receive_head, send_data
 from ..h11_internals import request as trusted_request
-from ..h11_internals import send_data
 from .chunked import Deliver, Waiting
 from .httpcore_internals import MAX_HEAD_BYTES
 from .stream import READ_HIGH_WATER, AsyncioStream
@@ -108,19 +109,18 @@ class HeadReader(Waiting):
                     self._searched = max(0, len(buffer) - 2)
                     return
                 cut = match.end()
-                self.state.receive_data(buffer[:cut])
+                event: Any = receive_head(self.state, buffer[:cut])
                 buffer, position = buffer[cut:], 0
-                event = self.state.next_event()
                 kind = type(event)
                 if kind is _Response:
-                    self.response = event  # type: ignore[assignment]
+                    self.response = event
                     self.final = True
                     self.rest, self._buffer = buffer, b""
                     break
                 if kind is _Informational:
                     callback = self.on_informational
-                    if callback is not None and event.status_code != 101:  # type: ignore
-                        callback(event.status_code, event.headers.raw_items())  # type: ignore
+                    if callback is not None and event.status_code != 101:
+                        callback(event.status_code, event.headers.raw_items())
                 elif event is not h11.NEED_DATA:
                     raise HeadError(f"unexpected {kind.__name__} before the response head")
         except h11.RemoteProtocolError as exc:

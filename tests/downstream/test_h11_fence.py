@@ -13,6 +13,8 @@ import inspect
 
 import h11
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lowproxy import h11_internals
 from lowproxy.keys import header_safe
@@ -182,3 +184,147 @@ def test_send_data_refuses_what_send_refuses():
     idle = h11.Connection(h11.CLIENT)
     with pytest.raises(h11.LocalProtocolError):  # no request yet: no body
         h11_internals.send_data(idle, b"a")
+
+
+# receive_head: a backend's response head read without h11's line splitting,
+# for the heads every backend sends; everything else through h11's parser.
+
+_VLLM_HEAD = (b"HTTP/1.1 200 OK\r\ndate: Wed, 02 Dec 2026 04:52:57 GMT\r\nserver: uvicorn\r\n"
+              b"content-length: 500\r\ncontent-type: application/json\r\n"
+              b"endpoint-load-metrics: TEXT named_metrics.kv_cache_usage_perc=0.5\r\n\r\n")
+
+RESPONSE_HEADS = [
+    _VLLM_HEAD,
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+    b"HTTP/1.1 200\r\ncontent-length: 0\r\n\r\n",
+    b"HTTP/1.1 200 \r\ncontent-length: 3\r\n\r\n",
+    b"HTTP/1.1 404 Not Found\r\n\r\n",
+    b"HTTP/1.1 204 No Content\r\ncontent-length: 7\r\n\r\n",
+    b"HTTP/1.1 304 Not Modified\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nConnection: close\r\ncontent-length: 2\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nconnection: keep-alive, Close\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nx-empty:\r\nx-spaces: \t a \t b \t\r\ncontent-length: 1\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nx-obs: caf\xc3\xa9 \xff\r\ncontent-length: 1\r\n\r\n",
+    b"HTTP/1.1 200 R\xe9ason\twith tab\r\ncontent-length: 1\r\n\r\n",
+    b"HTTP/1.1 100 Continue\r\n\r\n",
+    b"HTTP/1.1 103 Early Hints\r\nlink: </a>; rel=preload\r\n\r\n",
+    b"HTTP/1.1 101 Switching Protocols\r\nupgrade: h2c\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 5, 5\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 5\r\n\r\n",
+    # Refused by h11 (the same error either way) or outside the fast subset:
+    b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ncontent-length: 6\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ncontent-length: -1\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: gzip\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\ntransfer-encoding: chunked\r\n\r\n",
+    b"HTTP/1.1 099 Low\r\n\r\n",
+    b"HTTP/1.1 2000 OK\r\n\r\n",
+    b"HTTP/1.0 200 OK\r\ncontent-length: 1\r\n\r\n",
+    b"HTTP/1.1 200 OK\ncontent-length: 1\n\n",
+    b"HTTP/1.1 200 OK\r\nx-fold: a\r\n  b\r\ncontent-length: 1\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nx-ctl: a\x01b\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nx-nul: a\x00b\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nbad name: a\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\n: no name\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nno-colon\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nx-cr: a\rb\r\n\r\n",
+    b"HTTP/1.1 20x OK\r\n\r\n",
+    b"HTTP/2 200 OK\r\n\r\n",
+    b"http/1.1 200 OK\r\n\r\n",
+    b"\r\n\r\n",
+]
+
+
+def _sent(method: bytes = b"POST") -> h11.Connection:
+    conn = h11.Connection(h11.CLIENT)
+    conn.send(h11.Request(method=method, target=b"/v1/chat/completions",
+                          headers=[(b"host", b"x"), (b"content-length", b"0")]))
+    conn.send(h11.EndOfMessage())
+    return conn
+
+
+def _outcome(conn: h11.Connection, read: object, head: bytes, body: bytes) -> tuple:
+    try:
+        event = read(conn, head)
+    except h11.RemoteProtocolError as exc:
+        return ("error", type(exc), str(exc), conn.their_state)
+    seen: list[object] = [type(event)]
+    if isinstance(event, (h11.Response, h11.InformationalResponse)):
+        seen += [event.status_code, event.reason, event.http_version,
+                 event.headers.raw_items(), list(event.headers)]
+    seen += [conn.our_state, conn.their_state, conn.their_http_version,
+             conn._cstate.keep_alive, type(conn._reader), vars(conn._reader or object())]
+    # What follows the head reads alike too.
+    conn.receive_data(body)
+    try:
+        for _ in range(4):
+            follow = conn.next_event()
+            seen.append(follow)
+            if follow is h11.NEED_DATA or isinstance(follow, h11.EndOfMessage):
+                break
+    except h11.RemoteProtocolError as exc:
+        seen.append(("error", str(exc)))
+    seen += [conn.our_state, conn.their_state]
+    return tuple(seen)
+
+
+def _by_h11(conn: h11.Connection, head: bytes) -> object:
+    conn.receive_data(head)
+    return conn.next_event()
+
+
+@pytest.mark.parametrize("method", [b"POST", b"HEAD"])
+@pytest.mark.parametrize("head", RESPONSE_HEADS)
+def test_receive_head_reads_what_h11_reads(head, method):
+    for body in (b"abcde", b"3\r\nabc\r\n0\r\n\r\n"):
+        fence(_outcome(_sent(method), h11_internals.receive_head, head, body)
+              == _outcome(_sent(method), _by_h11, head, body),
+              "Connection.next_event / _process_event",
+              f"a response head ({head!r}) read without h11's parser differs from h11's read")
+
+
+def test_receive_head_skips_h11s_parser_for_a_plain_head(monkeypatch):
+    # The fast path is taken for what backends send (else it is dead weight).
+    conn = _sent()
+    monkeypatch.setattr(conn, "receive_data", lambda data: pytest.fail("h11 parsed it"))
+    event = h11_internals.receive_head(conn, _VLLM_HEAD)
+    assert isinstance(event, h11.Response) and event.status_code == 200
+    assert conn.their_state is h11.SEND_BODY and conn._reader._remaining == 500
+
+
+def _idle() -> h11.Connection:
+    return h11.Connection(h11.CLIENT)
+
+
+def _holding() -> h11.Connection:
+    conn = _sent()
+    conn.receive_data(b"HTTP/1.1 1")
+    assert conn.next_event() is h11.NEED_DATA
+    return conn
+
+
+@pytest.mark.parametrize("make", [_idle, _holding])
+def test_receive_head_leaves_other_states_to_h11(make):
+    # A head before the request went out, or while h11 holds part of one, is
+    # h11's to judge: receive_head hands it over, with the same outcome.
+    def spy(conn: h11.Connection, head: bytes) -> object:
+        conn.receive_data = lambda data, real=conn.receive_data: calls.append(data) or real(data)
+        return h11_internals.receive_head(conn, head)
+    calls: list[bytes] = []
+    assert _outcome(make(), spy, _VLLM_HEAD, b"x") == _outcome(make(), _by_h11, _VLLM_HEAD, b"x")
+    assert calls[0] == _VLLM_HEAD  # (then _outcome feeds the body)
+
+
+_HEAD_BYTES = [b"HTTP/1.1 ", b"HTTP/1.0 ", b"200", b"101", b"204", b"099", b" OK", b"\r\n",
+               b"\n", b"content-length: ", b"transfer-encoding: ", b"chunked", b"connection: ",
+               b"close", b"5", b"x-a:", b" ", b"\t", b"\x80", b"\x01", b"\x00", b":", b"a",
+               b",", b"\r"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_HEAD_BYTES), max_size=24))
+def test_receive_head_agrees_with_h11_on_random_heads(pieces):
+    head = b"".join(pieces)
+    if not head.endswith(b"\r\n\r\n"):
+        head += b"\r\n\r\n"
+    assert (_outcome(_sent(), h11_internals.receive_head, head, b"abcde")
+            == _outcome(_sent(), _by_h11, head, b"abcde")), head
