@@ -46,15 +46,19 @@ Relied on, each pinned by tests/downstream/test_h11_fence.py:
   ``receive_head`` below.
 
 Receiving, ``receive_head`` takes a backend's response head (cut at its blank
-line) the way ``receive_data`` and ``next_event`` would, for the heads every
-backend sends: HTTP/1.1, CRLF line ends, no folded lines, visible bytes in
+line) the way ``receive_data`` and ``next_event`` would, and
+``receive_request`` a client's first read of a request, for the heads every
+backend and client library sends: HTTP/1.1, CRLF line ends, no folded lines, visible bytes in
 names and values. In that subset of h11's grammar its parse is a split on
 CRLF and on each line's first colon, values stripped of spaces and tabs,
 which one regex over the whole head checks at C speed; the event is built
 with ``_parsed`` and goes through h11's state machine as its reader's would.
 Anything else (HTTP/1.0, bare LF, obs-fold, a control byte, a framing h11
-refuses) goes to h11's own parser, which decides. Half of what h11 spends on
-a head is its line splitting and per-line regexes (two heads per request).
+refuses, a head not whole in the first read) goes to h11's own parser, which
+decides. Half of what h11 spends on a head is its line splitting and per-line
+regexes (three heads per request). The request's own checks (Host, its
+framing, Expect, Upgrade) are h11's: ``Request`` and ``_process_event`` make
+them.
 
 The upper bound on h11 in pyproject.toml stays below a release that changes
 any of them until this module is adapted.
@@ -63,6 +67,7 @@ any of them until this module is adapted.
 from __future__ import annotations
 
 import re
+from typing import Any
 
 import h11
 
@@ -142,34 +147,29 @@ def informational(status: int, headers: Headers, reason: bytes) -> h11.Informati
 # spaces and tabs; header lines of a token, a colon and a value of visible
 # bytes (obs-text included) separated by spaces or tabs, each ended by CRLF;
 # the blank line. Every head this matches, h11 reads into the same event.
+_HEADER_LINES = (rb"((?:[-!#$%&'*+.^_`|~0-9a-zA-Z]+:[ \t]*"
+                 rb"(?:[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*)?[ \t]*\r\n)*)\r\n")
 _PLAIN_RESPONSE_HEAD = re.compile(
-    rb"HTTP/1\.1 ([0-9]{3})(?: ([\t\x20-\x7e\x80-\xff]*))?\r\n"
-    rb"((?:[-!#$%&'*+.^_`|~0-9a-zA-Z]+:[ \t]*"
-    rb"(?:[\x21-\x7e\x80-\xff]+(?:[ \t]+[\x21-\x7e\x80-\xff]+)*)?[ \t]*\r\n)*)\r\n")
+    rb"HTTP/1\.1 ([0-9]{3})(?: ([\t\x20-\x7e\x80-\xff]*))?\r\n" + _HEADER_LINES)
 
 
-def receive_head(conn: h11.Connection, head: bytes) -> object:
-    """``conn.receive_data(head)`` then ``conn.next_event()``, for a response head
-    cut at its blank line: the same event, states and errors (fenced)."""
-    match = _PLAIN_RESPONSE_HEAD.fullmatch(head)
-    if match is None or conn._receive_buffer or conn.their_state is not h11.SEND_RESPONSE:
-        conn.receive_data(head)
-        return conn.next_event()
-    status = int(match[1])
+# A request head likewise: a token method, a target of visible ASCII, HTTP/1.1.
+_PLAIN_REQUEST_HEAD = re.compile(
+    rb"([-!#$%&'*+.^_`|~0-9a-zA-Z]+) ([\x21-\x7e]+) HTTP/1\.1\r\n" + _HEADER_LINES)
+# Where h11 ends a head: the first empty line, with or without its CR.
+_BLANK_LINE = re.compile(rb"\n\r?\n")
+
+
+def _header_list(block: bytes) -> Headers:
     headers = []
-    block = match[3]
     if block:
         for line in block[:-2].split(b"\r\n"):
             name, _, value = line.partition(b":")
             headers.append((name, value.strip(b" \t")))
-    try:
-        event: h11.Response | h11.InformationalResponse = (
-            h11.Response if status >= 200 else h11.InformationalResponse)(
-            status_code=status, headers=headers, reason=match[2] or b"",
-            http_version=b"1.1", _parsed=True)
-    except h11.LocalProtocolError:  # a framing or status h11 refuses: its parser says how
-        conn.receive_data(head)
-        return conn.next_event()
+    return headers
+
+
+def _received(conn: h11.Connection, event: h11._events.Event) -> None:
     try:
         conn._process_event(conn.their_role, event)
     except BaseException as exc:  # as next_event does
@@ -177,4 +177,47 @@ def receive_head(conn: h11.Connection, head: bytes) -> object:
         if isinstance(exc, h11.LocalProtocolError):
             exc._reraise_as_remote_protocol_error()
         raise
+
+
+def receive_head(conn: h11.Connection, head: bytes) -> Any:
+    """``conn.receive_data(head)`` then ``conn.next_event()``, for a response head
+    cut at its blank line: the same event, states and errors (fenced)."""
+    match = _PLAIN_RESPONSE_HEAD.fullmatch(head)
+    if match is None or conn._receive_buffer or conn.their_state is not h11.SEND_RESPONSE:
+        conn.receive_data(head)
+        return conn.next_event()
+    status = int(match[1])
+    try:
+        event: h11.Response | h11.InformationalResponse = (
+            h11.Response if status >= 200 else h11.InformationalResponse)(
+            status_code=status, headers=_header_list(match[3]), reason=match[2] or b"",
+            http_version=b"1.1", _parsed=True)
+    except h11.LocalProtocolError:  # a framing or status h11 refuses: its parser says how
+        conn.receive_data(head)
+        return conn.next_event()
+    _received(conn, event)
+    return event
+
+
+def receive_request(conn: h11.Connection, data: bytes) -> Any:
+    """``conn.receive_data(data)`` then ``conn.next_event()`` on a server
+    connection waiting for a request: the same event, states, errors and bytes
+    left for the body (fenced)."""
+    if not data or conn._receive_buffer or conn.their_state is not h11.IDLE:
+        conn.receive_data(data)
+        return conn.next_event()
+    blank = _BLANK_LINE.search(data)
+    match = None if blank is None else _PLAIN_REQUEST_HEAD.fullmatch(data, 0, blank.end())
+    if match is None:
+        conn.receive_data(data)
+        return conn.next_event()
+    try:
+        event = h11.Request(method=match[1], target=match[2], headers=_header_list(match[3]),
+                            http_version=b"1.1", _parsed=True)
+    except h11.LocalProtocolError:  # no Host, a framing h11 refuses: its parser says how
+        conn.receive_data(data)
+        return conn.next_event()
+    _received(conn, event)
+    if blank.end() < len(data):  # type: ignore[union-attr]
+        conn.receive_data(data[blank.end():])  # type: ignore[union-attr]
     return event

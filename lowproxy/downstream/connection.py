@@ -21,6 +21,7 @@ import h11
 
 from .._types import Headers
 from ..answers import REASONS, bad_gateway, canned_response, error_body, internal_error
+from ..h11_internals import receive_request
 from ..routes import speaks_anthropic
 from ..timeouts import deadline
 from .hangup import HangUpHook
@@ -238,6 +239,12 @@ class ClientConnection:
                 self._enter(Phase.HEAD, self.limits.header_timeout)
             elif data and self.phase is Phase.BODY:
                 self._enter(Phase.BODY, self.limits.header_timeout)
+            if self._head_reads is not None:  # a request's head, most often whole in one read
+                event = receive_request(conn, data)
+                if event is not h11.NEED_DATA:
+                    return event
+                buffered = False  # h11 just said so: read on
+                continue
             conn.receive_data(data)
 
     # -- request cycles

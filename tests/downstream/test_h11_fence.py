@@ -328,3 +328,126 @@ def test_receive_head_agrees_with_h11_on_random_heads(pieces):
         head += b"\r\n\r\n"
     assert (_outcome(_sent(), h11_internals.receive_head, head, b"abcde")
             == _outcome(_sent(), _by_h11, head, b"abcde")), head
+
+
+# receive_request: a client's first read of a request (head, and the body's
+# first bytes when they came with it).
+
+_CLIENT_HEAD = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n"
+                b"Accept-Encoding: gzip, deflate\r\nConnection: keep-alive\r\n"
+                b"Content-Type: application/json\r\nAuthorization: Bearer sk-x\r\n"
+                b"Content-Length: 5\r\n\r\n")
+
+REQUEST_READS = [
+    _CLIENT_HEAD + b"abcde",
+    _CLIENT_HEAD + b"ab",
+    _CLIENT_HEAD,
+    _CLIENT_HEAD + b"abcdeGET / HTTP/1.1\r\nhost: x\r\n\r\n",
+    b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+    b"5\r\nabcde\r\n0\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 5\r\n\r\n",
+    b"GET /ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
+    b"CONNECT a:443 HTTP/1.1\r\nhost: a:443\r\n\r\n",
+    b"OPTIONS * HTTP/1.1\r\nhost: x\r\n\r\n",
+    b"GET http://x/a?b=%20 HTTP/1.1\r\nhost: x\r\nx-obs: \xc3\xa9\r\nx-e:\r\n\r\n",
+    # Refused by h11, or outside the fast subset:
+    b"GET / HTTP/1.1\r\n\r\n",
+    b"GET / HTTP/1.1\r\nhost: a\r\nhost: b\r\n\r\n",
+    b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1\r\ncontent-length: 2\r\n\r\n",
+    b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n",
+    b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: gzip, chunked\r\n\r\n",
+    b"GET / HTTP/1.0\r\n\r\n",
+    b"GET / HTTP/1.1\nhost: x\n\n",
+    b"GET / HTTP/1.1\r\nhost: x\nx: y\r\n\r\n",
+    b"GET / HTTP/1.1\r\nhost: x\r\nx-fold: a\r\n b\r\n\r\n",
+    b"GET / HTTP/1.1\r\nhost: x\r\nx: a\x7fb\r\n\r\n",
+    b"GET / HTTP/1.1\r\nhost : x\r\n\r\n",
+    b"GET /\x80 HTTP/1.1\r\nhost: x\r\n\r\n",
+    b"GET  / HTTP/1.1\r\nhost: x\r\n\r\n",
+    b"\r\nGET / HTTP/1.1\r\nhost: x\r\n\r\n",
+    b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03",
+    b"GET / HTTP/1.1\r\nhost: x\r\n",
+    b"",
+]
+
+
+def _server() -> h11.Connection:
+    return h11.Connection(h11.SERVER)
+
+
+def _request_outcome(conn: h11.Connection, read: object, data: bytes) -> tuple:
+    try:
+        event = read(conn, data)
+    except h11.RemoteProtocolError as exc:
+        return ("error", str(exc), exc.error_status_hint, conn.their_state)
+    seen: list[object] = [event]
+    if isinstance(event, h11.Request):
+        seen.append(event.headers.raw_items())
+    seen += [conn.our_state, conn.their_state, conn.their_http_version,
+             conn._cstate.keep_alive, conn.client_is_waiting_for_100_continue,
+             conn.trailing_data, type(conn._reader), vars(conn._reader or object())]
+    try:
+        for _ in range(4):
+            follow = conn.next_event()
+            seen.append(follow)
+            if follow in (h11.NEED_DATA, h11.PAUSED) or isinstance(follow, h11.EndOfMessage):
+                break
+    except h11.RemoteProtocolError as exc:
+        seen.append(("error", str(exc)))
+    seen += [conn.our_state, conn.their_state, conn.trailing_data]
+    return tuple(seen)
+
+
+def _request_by_h11(conn: h11.Connection, data: bytes) -> object:
+    conn.receive_data(data)
+    return conn.next_event()
+
+
+@pytest.mark.parametrize("data", REQUEST_READS)
+def test_receive_request_reads_what_h11_reads(data):
+    fence(_request_outcome(_server(), h11_internals.receive_request, data)
+          == _request_outcome(_server(), _request_by_h11, data),
+          "Connection.next_event / _process_event",
+          f"a request ({data!r}) read without h11's parser differs from h11's read")
+
+
+def test_receive_request_skips_h11s_parser_for_a_plain_head(monkeypatch):
+    conn = _server()
+    fed: list[bytes] = []
+    real = conn.receive_data
+    monkeypatch.setattr(conn, "receive_data", lambda data: fed.append(data) or real(data))
+    event = h11_internals.receive_request(conn, _CLIENT_HEAD + b"abcde")
+    assert isinstance(event, h11.Request) and event.target == b"/v1/chat/completions"
+    assert fed == [b"abcde"]  # h11 was handed the body only
+    assert conn.next_event() == h11.Data(data=b"abcde")
+
+
+def test_receive_request_leaves_a_second_cycle_to_h11():
+    # Bytes h11 already holds (a pipelined request) are parsed by h11 itself.
+    conn = _server()
+    first = _CLIENT_HEAD + b"abcde"
+    h11_internals.receive_request(conn, first + b"GET /v1/models HTTP/1.1\r\nho")
+    assert conn.next_event() == h11.Data(data=b"abcde")
+    assert isinstance(conn.next_event(), h11.EndOfMessage)
+    conn.send(h11.Response(status_code=200, headers=[(b"content-length", b"0")]))
+    conn.send(h11.EndOfMessage())
+    conn.start_next_cycle()
+    assert conn.next_event() is h11.NEED_DATA
+    event = h11_internals.receive_request(conn, b"st: x\r\n\r\n")
+    assert isinstance(event, h11.Request) and event.target == b"/v1/models"
+
+
+_REQUEST_BYTES = [b"GET ", b"POST ", b"/", b"a", b" HTTP/1.1", b" HTTP/1.0", b"\r\n", b"\n",
+                  b"host: x", b"Host:", b"content-length: ", b"5", b"transfer-encoding: ",
+                  b"chunked", b"expect: 100-continue", b"connection: close", b" ", b"\t",
+                  b"\x80", b"\x01", b":", b",", b"abcde"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(_REQUEST_BYTES), max_size=24))
+def test_receive_request_agrees_with_h11_on_random_reads(pieces):
+    data = b"".join(pieces)
+    assert (_request_outcome(_server(), h11_internals.receive_request, data)
+            == _request_outcome(_server(), _request_by_h11, data)), data
