@@ -54,6 +54,30 @@ def test_a_request_built_parsed_writes_what_a_validated_one_writes():
           "Connection.send", "a parsed request writes other bytes")
 
 
+def test_a_request_built_without_init_has_what_init_sets():
+    import dataclasses
+    fence([field.name for field in dataclasses.fields(h11.Request)]
+          == ["method", "headers", "target", "http_version"], "Request's fields",
+          "request() sets these four and no other")
+    init = inspect.getsource(h11.Request.__init__)
+    fence("normalize_and_validate(headers, _parsed=_parsed)" in init
+          and all(rule in init for rule in ("host_count", "method_re", "request_target_re"))
+          and "__post_init__" not in inspect.getsource(h11.Request),
+          "Request.__init__", "its rules changed (request() keeps the same four)")
+    for headers in ([(b"host", b"x")], [(b"host", b"x"), (b"Content-Length", b"5")],
+                    [(b"host", b"x"), (b"x-a", b""), (b"X-A", b"b"), (b"content-length", b"0")]):
+        fast = h11_internals.request(b"GET", b"/v1/models", list(headers))
+        slow = h11.Request(method=b"GET", target=b"/v1/models", headers=list(headers))
+        fence(fast == slow and fast.headers.raw_items() == slow.headers.raw_items()
+              and fast.http_version == slow.http_version == b"1.1",
+              "Request.__init__", f"the event differs for {headers!r}")
+    # The framing checks stay: what h11 refuses, request() refuses.
+    for headers in ([(b"host", b"x"), (b"content-length", b"1"), (b"content-length", b"2")],
+                    [(b"host", b"x"), (b"transfer-encoding", b"gzip")]):
+        with pytest.raises(h11.LocalProtocolError):
+            h11_internals.request(b"POST", b"/", list(headers))
+
+
 def test_responses_built_parsed_write_what_validated_ones_write():
     headers = [(b"content-type", b"text/event-stream"), (b"X-Request-Id", b"abc")]
     fast = wire(h11.SERVER, h11_internals.informational(103, [(b"link", b"</a>")], b"Early"),
@@ -347,7 +371,8 @@ REQUEST_READS = [
     b"GET /health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
     b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
     b"5\r\nabcde\r\n0\r\n\r\n",
-    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 5\r\n\r\n",
+    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+    b"content-length: 5\r\n\r\n",
     b"GET /ws HTTP/1.1\r\nhost: x\r\nupgrade: websocket\r\nconnection: upgrade\r\n\r\n",
     b"CONNECT a:443 HTTP/1.1\r\nhost: a:443\r\n\r\n",
     b"OPTIONS * HTTP/1.1\r\nhost: x\r\n\r\n",
