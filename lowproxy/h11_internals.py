@@ -44,6 +44,9 @@ Relied on, each pinned by tests/downstream/test_h11_fence.py:
   ``Connection._writer``, ``Connection._process_event`` and
   ``Connection._process_error``: what ``send_with_data_passthrough`` does
   with a response once it is cleaned up, and what decides the clean-up;
+- ``Connection._reader``, ``h11._readers.ContentLengthReader`` (its
+  ``_remaining``, what it returns) and ``ReceiveBuffer.maybe_extract_at_most``,
+  for ``next_event`` below;
 - ``Connection._receive_buffer`` and what ``next_event`` does with an event
   its reader made (``_process_event`` for their role, ``_process_error`` and
   ``_reraise_as_remote_protocol_error`` when that fails), for
@@ -75,6 +78,7 @@ from typing import Any
 
 import h11
 from h11._headers import normalize_and_validate
+from h11._readers import ContentLengthReader
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -253,3 +257,32 @@ def receive_request(conn: h11.Connection, data: bytes) -> Any:
     if blank.end() < len(data):  # type: ignore[union-attr]
         conn.receive_data(data[blank.end():])  # type: ignore[union-attr]
     return event
+
+
+# Shared: h11 never keeps or changes an event it is handed or hands out.
+END_OF_MESSAGE = h11.EndOfMessage()
+_ContentLengthReader = ContentLengthReader
+
+
+def next_event(conn: h11.Connection) -> Any:
+    """``conn.next_event()``: the same events, states and errors (fenced).
+
+    While a Content-Length body is read (SEND_BODY, h11's
+    ``ContentLengthReader``), a piece of it changes no state, so it is taken
+    from h11's buffer by the reader's own rule without the round trip through
+    the state machine (as ``send_data`` does sending), and the end goes
+    through ``_process_event`` as ``next_event`` would send it; everything
+    else is ``next_event`` itself."""
+    reader = conn._reader
+    if type(reader) is not _ContentLengthReader or conn.their_state is not h11.SEND_BODY:
+        return conn.next_event()
+    if reader._remaining == 0:
+        _received(conn, END_OF_MESSAGE)
+        return END_OF_MESSAGE
+    data = conn._receive_buffer.maybe_extract_at_most(reader._remaining)
+    if data is None:  # NEED_DATA, or the peer closed mid-body: h11 says which
+        return conn.next_event()
+    reader._remaining -= len(data)
+    if conn.their_role is h11.CLIENT:  # what _process_event does for a client's Data
+        conn.client_is_waiting_for_100_continue = False
+    return h11.Data(data=data)  # type: ignore[arg-type]  # a bytearray, as h11 hands out

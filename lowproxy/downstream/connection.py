@@ -21,7 +21,7 @@ import h11
 
 from .._types import Headers
 from ..answers import REASONS, bad_gateway, canned_response, error_body, internal_error
-from ..h11_internals import receive_request
+from ..h11_internals import END_OF_MESSAGE, next_event, receive_request
 from ..routes import speaks_anthropic
 from ..timeouts import deadline
 from .hangup import HangUpHook
@@ -227,7 +227,7 @@ class ClientConnection:
         conn = self.h11
         while True:
             if buffered:
-                event = conn.next_event()
+                event = next_event(conn)
                 if event is not h11.NEED_DATA:
                     return event
             buffered = True
@@ -438,7 +438,7 @@ class ClientConnection:
                                                  (b"connection", b"close"),
                                                  *(headers or ())])
                 data = self.h11.send(response) + self.h11.send(h11.Data(data=body))
-                data += self.h11.send(h11.EndOfMessage())
+                data += self.h11.send(END_OF_MESSAGE)
             except h11.LocalProtocolError:
                 data = canned_response(status, body, extra)
         try:

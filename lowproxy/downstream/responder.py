@@ -13,7 +13,7 @@ import h11
 
 from .._types import Headers
 from ..answers import REASONS, json_body
-from ..h11_internals import informational, response, send_data, send_response
+from ..h11_internals import END_OF_MESSAGE, informational, response, send_data, send_response
 
 # Past this much unsent to a client, stop relaying until it catches up.
 WRITE_HIGH_WATER = 64 * 1024
@@ -146,7 +146,7 @@ class Responder:
 
     async def end(self) -> None:
         self.ended = True
-        self._out.append(self._wire.h11.send(h11.EndOfMessage()))
+        self._out.append(self._wire.h11.send(END_OF_MESSAGE))
         self.flush()
         await self._wire.drain()
 
@@ -178,7 +178,7 @@ class Responder:
         out = send_response(conn, response(status, headers, REASONS.get(status, b"")))
         if body:
             out += send_data(conn, body)
-        out += conn.send(h11.EndOfMessage())
+        out += conn.send(END_OF_MESSAGE)
         wire.write(out)
         await wire.drain()
 

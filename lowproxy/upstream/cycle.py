@@ -28,7 +28,7 @@ from typing import Any
 
 import h11
 
-from ..h11_internals import receive_head, send_data
+from ..h11_internals import END_OF_MESSAGE, next_event, receive_head, send_data
 from ..h11_internals import request as trusted_request
 from .chunked import Deliver, Waiting
 from .httpcore_internals import MAX_HEAD_BYTES
@@ -63,7 +63,7 @@ def request_bytes(state: h11.Connection, method: bytes, target: bytes, headers: 
     wire = state.send(trusted_request(method, target, headers))
     if body:
         wire += send_data(state, body)
-    return wire + state.send(_EndOfMessage())
+    return wire + state.send(END_OF_MESSAGE)
 
 
 class HeadReader(Waiting):
@@ -177,7 +177,7 @@ class LengthRelay(Waiting):
         state = self.state
         try:
             while True:
-                event: Any = state.next_event()
+                event: Any = next_event(state)
                 kind = type(event)
                 if kind is _Data:
                     pieces.append(bytes(event.data))

@@ -476,3 +476,86 @@ def test_receive_request_agrees_with_h11_on_random_reads(pieces):
     data = b"".join(pieces)
     assert (_request_outcome(_server(), h11_internals.receive_request, data)
             == _request_outcome(_server(), _request_by_h11, data)), data
+
+
+# next_event: a Content-Length body's pieces and end without the state
+# machine's round trip for what changes no state.
+
+def _body_trace(role: type[h11.CLIENT] | type[h11.SERVER], read: object, head: bytes,
+                pieces: list[bytes], close: bool) -> list[object]:
+    conn = h11.Connection(role)
+    if role is h11.CLIENT:
+        conn.send(h11.Request(method=b"GET", target=b"/", headers=[(b"host", b"x")]))
+        conn.send(h11.EndOfMessage())
+    seen: list[object] = []
+
+    def drain() -> None:
+        for _ in range(8):
+            try:
+                event = read(conn)
+            except h11.RemoteProtocolError as exc:
+                seen.append(("error", str(exc)))
+                return
+            seen.append((event, conn.our_state, conn.their_state,
+                         conn.client_is_waiting_for_100_continue, conn.trailing_data))
+            if event in (h11.NEED_DATA, h11.PAUSED) or isinstance(event, h11.ConnectionClosed):
+                return
+
+    conn.receive_data(head)
+    drain()
+    for piece in pieces:
+        conn.receive_data(piece)
+        drain()
+    if close:
+        conn.receive_data(b"")
+        drain()
+    return seen
+
+
+_BODY_HEADS = {
+    h11.SERVER: [b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\n",
+                 b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\nexpect: 100-continue\r\n\r\n",
+                 b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 0\r\n\r\n",
+                 b"POST / HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"],
+    h11.CLIENT: [b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\n",
+                 b"HTTP/1.1 204 No Content\r\n\r\n",
+                 b"HTTP/1.1 200 OK\r\nconnection: close\r\n\r\n",
+                 b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"],
+}
+
+
+@pytest.mark.parametrize("role", [h11.SERVER, h11.CLIENT])
+@pytest.mark.parametrize("pieces", [[b"abcde"], [b"ab", b"cde"], [b"abcdeGET / HTTP/1.1\r\n"],
+                                    [b"ab"], [], [b"5\r\nabcde\r\n0\r\n\r\n"]])
+@pytest.mark.parametrize("close", [False, True])
+def test_next_event_reads_a_body_as_h11_does(role, pieces, close):
+    for head in _BODY_HEADS[role]:
+        fast = _body_trace(role, h11_internals.next_event, head, pieces, close)
+        slow = _body_trace(role, h11.Connection.next_event, head, pieces, close)
+        fence(fast == slow, "ContentLengthReader / Connection.next_event",
+              f"a body read without the state machine's round trip differs ({head!r}, "
+              f"{pieces!r}, close={close})")
+
+
+def test_next_event_takes_the_short_way_for_a_length_framed_body(monkeypatch):
+    conn = h11.Connection(h11.SERVER)
+    conn.receive_data(b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 5\r\n\r\nabcde")
+    assert isinstance(conn.next_event(), h11.Request)
+    monkeypatch.setattr(conn, "next_event", lambda: pytest.fail("went the long way"))
+    assert h11_internals.next_event(conn) == h11.Data(data=b"abcde")
+    assert h11_internals.next_event(conn) is h11_internals.END_OF_MESSAGE
+    assert conn.their_state is h11.DONE
+
+
+def test_one_end_of_message_serves_every_message():
+    # h11 keeps no event it sends or hands out, so one instance serves all.
+    conn = h11.Connection(h11.CLIENT)
+    for _ in range(2):
+        conn.send(h11.Request(method=b"GET", target=b"/", headers=[(b"host", b"x")]))
+        assert conn.send(h11_internals.END_OF_MESSAGE) == b""
+        conn.receive_data(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+        conn.next_event()
+        assert conn.next_event() == h11_internals.END_OF_MESSAGE
+        conn.start_next_cycle()
+    fence(h11_internals.END_OF_MESSAGE == h11.EndOfMessage()
+          and not h11_internals.END_OF_MESSAGE.headers, "EndOfMessage", "it changed")
