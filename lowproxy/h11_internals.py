@@ -98,6 +98,13 @@ def request(method: bytes, target: bytes, headers: Headers) -> h11.Request:
     are set as ``__init__`` sets them (fenced) and its rules kept, checked on
     the plain list: the framing checks of ``normalize_and_validate``, exactly
     one Host, the method and target grammars."""
+    if _METHOD.fullmatch(method) is None or _TARGET.fullmatch(target) is None:
+        raise h11.LocalProtocolError("Illegal method or target characters")
+    return _request_event(method, target, headers)
+
+
+def _request_event(method: bytes, target: bytes, headers: Headers) -> h11.Request:
+    """``Request(..., _parsed=True)`` for a method and target known to match h11's grammar."""
     normalized = normalize_and_validate(headers, _parsed=True)
     hosts = 0
     for _, name, _ in normalized._full_items:
@@ -106,8 +113,6 @@ def request(method: bytes, target: bytes, headers: Headers) -> h11.Request:
     if hosts != 1:
         raise h11.LocalProtocolError("Missing mandatory Host: header" if not hosts
                                      else "Found multiple Host: headers")
-    if _METHOD.fullmatch(method) is None or _TARGET.fullmatch(target) is None:
-        raise h11.LocalProtocolError("Illegal method or target characters")
     event = _new_event(h11.Request)
     _set_field(event, "method", method)
     _set_field(event, "headers", normalized)
@@ -248,8 +253,7 @@ def receive_request(conn: h11.Connection, data: bytes) -> Any:
         conn.receive_data(data)
         return conn.next_event()
     try:
-        event = h11.Request(method=match[1], target=match[2], headers=_header_list(match[3]),
-                            http_version=b"1.1", _parsed=True)
+        event = _request_event(match[1], match[2], _header_list(match[3]))
     except h11.LocalProtocolError:  # no Host, a framing h11 refuses: its parser says how
         conn.receive_data(data)
         return conn.next_event()
