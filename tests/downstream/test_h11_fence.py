@@ -2,7 +2,11 @@
 
 Heads the proxy builds go to h11 with ``_parsed=True``, the flag h11's parser
 passes for heads it read: the per-header regexes and ``bytesify`` are skipped,
-everything else stays. Each test names what it pins; when an h11 release
+everything else stays. Heads it receives in the plain part of h11's grammar are
+read by one regex into the event h11's parser would make (receive_head,
+receive_request), and a length-framed body's pieces without the state
+machine's round trip (next_event): each compared with h11's own reading, on
+listed heads and on random ones. Each test names what it pins; when an h11 release
 changes one, the failure says which, and the upper bound on h11 in
 pyproject.toml must stay below that release until h11_internals.py is adapted.
 """
