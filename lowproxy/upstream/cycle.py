@@ -22,20 +22,17 @@ again by the coroutine waiting on the cycle.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from typing import Any
 
 import h11
 
-from ..h11_internals import END_OF_MESSAGE, next_event, receive_head, send_data
+from ..h11_internals import BLANK_LINE, END_OF_MESSAGE, next_event, receive_head, send_data
 from ..h11_internals import request as trusted_request
 from .chunked import Deliver, Waiting
 from .httpcore_internals import MAX_HEAD_BYTES
 from .stream import READ_HIGH_WATER, AsyncioStream
 
-# h11 ends a head at the first empty line, with or without its CR.
-_BLANK_LINE = re.compile(rb"\n\r?\n")
 # Called with (status, headers) for each 1xx response before the final one.
 Informational = Callable[[int, list[tuple[bytes, bytes]]], None]
 Headers = list[tuple[bytes, bytes]]
@@ -101,7 +98,7 @@ class HeadReader(Waiting):
         position = self._searched
         try:
             while True:
-                match = _BLANK_LINE.search(buffer, position)
+                match = BLANK_LINE.search(buffer, position)
                 if match is None:
                     if len(buffer) > MAX_HEAD_BYTES:
                         raise HeadError(f"response head over {MAX_HEAD_BYTES} bytes")

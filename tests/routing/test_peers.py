@@ -228,13 +228,17 @@ def test_a_peers_mistake_stops_the_start_naming_the_setting(env):
     assert len(lines) == 1 and "PD_PROXY_PEERS" in lines[0], lines
 
 
+def _unstarted_proxy_with_a_peer() -> Proxy:
+    """Two prefills, cache-aware, one peer; not started, so nothing is sent."""
+    return Proxy(config_for(["http://127.0.0.1:1", "http://127.0.0.1:2"], "http://127.0.0.1:3",
+                            prefill_policy="cache-aware",
+                            peers=(parse_endpoint("http://127.0.0.1:4"),)))
+
+
 async def test_choices_beyond_a_batch_and_batches_for_a_busy_peer_are_dropped_not_queued():
     from lowproxy.routing.peers import MAX_RECORDS
 
-    config = config_for(["http://127.0.0.1:1", "http://127.0.0.1:2"], "http://127.0.0.1:3",
-                        prefill_policy="cache-aware",
-                        peers=(parse_endpoint("http://127.0.0.1:4"),))
-    proxy = Proxy(config)  # not started: nothing is sent
+    proxy = _unstarted_proxy_with_a_peer()  # nothing is sent
     share = proxy.peers
     assert share is not None and proxy.router is not None
     assert proxy.router.shared == share.note and proxy.router.stable
@@ -274,10 +278,7 @@ def test_peers_with_workers_say_at_start_that_workers_are_not_covered():
 
 async def test_a_flush_is_armed_by_a_choice_and_only_then():
     """No choice, no wake-up: the first choice since a flush arms the next one."""
-    config = config_for(["http://127.0.0.1:1", "http://127.0.0.1:2"], "http://127.0.0.1:3",
-                        prefill_policy="cache-aware",
-                        peers=(parse_endpoint("http://127.0.0.1:4"),))
-    proxy = Proxy(config)  # not started: the share alone
+    proxy = _unstarted_proxy_with_a_peer()  # the share alone
     share = proxy.peers
     assert share is not None
     share.start(asyncio.get_running_loop())
