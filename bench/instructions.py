@@ -15,6 +15,7 @@ valgrind``); slow (about 50 times), so a run is a few hundred requests.
     python bench/instructions.py --kv-protocol mooncake --stream
     python bench/instructions.py --features          # the cost table of bench/load_features.py
     python bench/instructions.py --proxy-env PD_PROXY_LOG_LEVEL=warning
+    python bench/instructions.py --keep /tmp/relay.callgrind   # then callgrind_annotate
 """
 
 from __future__ import annotations
@@ -115,6 +116,8 @@ def count(backends: Backends, env: dict[str, str], args: argparse.Namespace) -> 
                 break
         else:
             raise RuntimeError(f"no totals in {dumps[0]}")
+    if args.keep:  # for callgrind_annotate: where the counted instructions went
+        shutil.copy(dumps[0], args.keep)
     shutil.rmtree(out, ignore_errors=True)
     return total / args.requests / 1000.0
 
@@ -128,6 +131,9 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--loop", default="uvloop")
     parser.add_argument("--proxy-env", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--keep", metavar="PATH",
+                        help="copy the counted window's callgrind profile to PATH "
+                             "(callgrind_annotate --inclusive=yes PATH)")
     parser.add_argument("--features", action="store_true",
                         help="the floor, each optional feature on, and as shipped")
     args = parser.parse_args()

@@ -34,12 +34,23 @@ _ANTHROPIC_TYPES = {401: "authentication_error", 403: "permission_error",
 
 
 # Built once: json.dumps with separators builds an encoder on every call.
-COMPACT_JSON = json.JSONEncoder(separators=(",", ":"))
+# check_circular off: every value encoded here comes from a JSON parse or the
+# proxy's own literals, so none contains itself, and strict_json bounds the depth
+# (the check costs a dict insert and delete per container). UTF-8 as the client
+# sent it costs half of writing every non-ASCII character as an escape, and it is
+# the same JSON to any parser; a lone surrogate (a client's "\ud800" escape)
+# cannot be UTF-8, so a value holding one is written by the escaping encoder.
+COMPACT_UTF8_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False,
+                                     check_circular=False)
+COMPACT_JSON = json.JSONEncoder(separators=(",", ":"), check_circular=False)
 
 
 def json_body(obj: Any) -> bytes:
-    """Compact JSON (ensure_ascii keeps lone surrogates from a client's escapes encodable)."""
-    return COMPACT_JSON.encode(obj).encode()
+    """Compact JSON in UTF-8; escaped ASCII only when a lone surrogate needs it."""
+    try:
+        return COMPACT_UTF8_JSON.encode(obj).encode()
+    except UnicodeEncodeError:
+        return COMPACT_JSON.encode(obj).encode()
 
 
 def error_body(status: int, message: str, kind: str, param: str | None = None,

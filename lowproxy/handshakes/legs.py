@@ -6,11 +6,11 @@ No I/O here. Each rule names the vLLM behaviour it exists for.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from json.encoder import encode_basestring_ascii as _string
+from json.encoder import encode_basestring as _string
 from typing import Any, Callable
 
 from .._types import KV, Body, Headers
-from ..answers import COMPACT_JSON, json_body
+from ..answers import COMPACT_UTF8_JSON, json_body
 from ..routes import CHAT, GENERATE, MESSAGES, RESPONSES
 from ..upstream.endpoint import Endpoint
 from .rules import (
@@ -59,7 +59,10 @@ class SharedEncoding:
             else:
                 member = _member(key, value)
             parts.append(member)
-        return ("{" + ",".join(parts) + "}").encode()
+        try:
+            return ("{" + ",".join(parts) + "}").encode()
+        except UnicodeEncodeError:  # a lone surrogate: serialise escapes the whole leg
+            return serialise(leg)
 
 
 def leg_serialiser(client: Body, client_bytes: int) -> Callable[[Body], bytes]:
@@ -74,7 +77,7 @@ _ABSENT = object()
 
 
 def _member(key: str, value: Any) -> str:
-    """``"key":value`` as the compact encoder writes it inside an object."""
+    """``"key":value`` as json_body's UTF-8 encoder writes it inside an object."""
     kind = type(value)
     if kind is str:
         written = _string(value)
@@ -89,7 +92,7 @@ def _member(key: str, value: Any) -> str:
     elif kind is float:
         written = float.__repr__(value)  # finite: strict_json refused the others
     else:
-        written = COMPACT_JSON.encode(value)
+        written = COMPACT_UTF8_JSON.encode(value)
     return _string(key) + ":" + written
 
 

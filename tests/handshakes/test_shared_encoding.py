@@ -66,3 +66,20 @@ def test_small_bodies_are_written_whole_and_large_ones_shared(surface):
     assert leg_serialiser(body, SHARED_ENCODING_MIN_BYTES - 1) is serialise
     shaped = relay_prefill_body(body, surface)
     assert leg_serialiser(body, SHARED_ENCODING_MIN_BYTES)(shaped) == serialise(shaped)
+
+
+def test_a_leg_carries_the_clients_text_as_utf8():
+    body = {"model": "m", "messages": [{"role": "user", "content": "caf\u00e9 \u2028 \U0001f600"}]}
+    written = serialise(body)
+    assert "caf\u00e9 \u2028 \U0001f600".encode() in written  # not \\u escapes
+    assert json.loads(written) == body
+
+
+def test_a_lone_surrogate_is_written_escaped_and_the_leg_still_goes():
+    # A client may send "\ud800" (valid JSON escape, not encodable as UTF-8).
+    body = json.loads('{"model": "m", "prompt": "a\\ud800b caf\\u00e9", "n": 1}')
+    written = serialise(body)
+    assert b"a\\ud800b caf\\u00e9" in written
+    assert json.loads(written) == body
+    large = dict(body, prompt=body["prompt"] * (SHARED_ENCODING_MIN_BYTES // 8))
+    assert SharedEncoding(large).serialise(large) == serialise(large)
