@@ -42,7 +42,7 @@ def read_keys(path: str, many: bool, allow_empty: bool = False) -> tuple[bytes, 
 
 
 # A header field value (RFC 9110 section 5.5), as h11's parser accepts one: the
-# backend key is sent in heads built without h11's own check (h11_internals.py).
+# backend key is sent in heads built without h11's own check (lowproxy/h11_internals/).
 _FIELD_VALUE = re.compile(rb"[\x21-\x7e\x80-\xff](?:[\t\x20-\x7e\x80-\xff]*[\x21-\x7e\x80-\xff])?")
 
 

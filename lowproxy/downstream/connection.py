@@ -21,7 +21,7 @@ import h11
 
 from .._types import Headers
 from ..answers import REASONS, bad_gateway, canned_response, error_body, internal_error
-from ..h11_internals import END_OF_MESSAGE, next_event, receive_request
+from ..h11_internals import END_OF_MESSAGE, next_event, receive_request, start_next_cycle
 from ..routes import speaks_anthropic
 from ..timeouts import deadline
 from .hangup import HangUpHook
@@ -262,7 +262,7 @@ class ClientConnection:
                 first = False
                 if not await self._cycle():
                     break
-                self.h11.start_next_cycle()
+                start_next_cycle(self.h11)
         except ClientGone:
             pass
         except asyncio.CancelledError:

@@ -13,7 +13,7 @@ import h11
 
 from .._types import Headers
 from ..answers import REASONS, json_body
-from ..h11_internals import END_OF_MESSAGE, informational, response, send_data, send_response
+from ..h11_internals import informational, response, send_data, send_end, send_response
 
 # Past this much unsent to a client, stop relaying until it catches up.
 WRITE_HIGH_WATER = 64 * 1024
@@ -84,7 +84,7 @@ class Responder:
             headers.append((b"connection", b"close"))
         self.started = True
         self.status = status
-        # No per-header checks (h11_internals.py): decode's headers were
+        # No per-header checks (lowproxy/h11_internals/): decode's headers were
         # checked by h11's parser, the rest are the proxy's own.
         event = response(status, headers, REASONS.get(status, b""))
         self._out.append(send_response(wire.h11, event))
@@ -146,7 +146,7 @@ class Responder:
 
     async def end(self) -> None:
         self.ended = True
-        self._out.append(self._wire.h11.send(END_OF_MESSAGE))
+        self._out.append(send_end(self._wire.h11))
         self.flush()
         await self._wire.drain()
 
@@ -178,7 +178,7 @@ class Responder:
         out = send_response(conn, response(status, headers, REASONS.get(status, b"")))
         if body:
             out += send_data(conn, body)
-        out += conn.send(END_OF_MESSAGE)
+        out += send_end(conn)
         wire.write(out)
         await wire.drain()
 

@@ -27,8 +27,14 @@ from typing import Any
 
 import h11
 
-from ..h11_internals import BLANK_LINE, END_OF_MESSAGE, next_event, receive_head, send_data
-from ..h11_internals import request as trusted_request
+from ..h11_internals import (
+    BLANK_LINE,
+    next_event,
+    receive_head,
+    send_data,
+    send_end,
+    send_request,
+)
 from .chunked import Deliver, Waiting
 from .httpcore_internals import MAX_HEAD_BYTES
 from .stream import READ_HIGH_WATER, AsyncioStream
@@ -55,12 +61,12 @@ def request_bytes(state: h11.Connection, method: bytes, target: bytes, headers: 
                   body: bytes | None) -> bytes:
     """The request as h11 serialises it: head, body and end, for one write.
 
-    The head is built without h11's per-header checks (h11_internals.py):
+    The head is built without h11's per-header checks (lowproxy/h11_internals/):
     every name and value comes from h11's parser or from the proxy itself."""
-    wire = state.send(trusted_request(method, target, headers))
+    wire = send_request(state, method, target, headers)
     if body:
         wire += send_data(state, body)
-    return wire + state.send(END_OF_MESSAGE)
+    return wire + send_end(state)
 
 
 class HeadReader(Waiting):

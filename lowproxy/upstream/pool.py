@@ -28,6 +28,7 @@ import h11
 import httpcore
 
 from ..config.settings import Config
+from ..h11_internals import start_next_cycle
 from ..headers import body_framing
 from ..tls import TrustStore, TrustUnavailable
 from .chunked import ChunkedError, ChunkedRelay, Deliver
@@ -349,7 +350,7 @@ class Upstream:
             # request lost later.
             if (now - pooled.created < config.upstream_max_age
                     and stream.watch_idle(pooled.on_idle_event)):
-                state.start_next_cycle()
+                start_next_cycle(state)
                 pooled.idle_since = now
                 endpoint.idle.append(pooled)
                 return

@@ -1,4 +1,4 @@
-"""A fence around the h11 internal lowproxy's hot path relies on (lowproxy/h11_internals.py).
+"""A fence around the h11 internal lowproxy's hot path relies on (lowproxy/h11_internals/).
 
 Heads the proxy builds go to h11 with ``_parsed=True``, the flag h11's parser
 passes for heads it read: the per-header regexes and ``bytesify`` are skipped,
@@ -8,7 +8,7 @@ receive_request), and a length-framed body's pieces without the state
 machine's round trip (next_event): each compared with h11's own reading, on
 listed heads and on random ones. Each test names what it pins; when an h11 release
 changes one, the failure says which, and the upper bound on h11 in
-pyproject.toml must stay below that release until h11_internals.py is adapted.
+pyproject.toml must stay below that release until lowproxy/h11_internals/ is adapted.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ HEADERS = [(b"Host", b"127.0.0.1:8100"), (b"content-type", b"application/json"),
 def fence(condition: object, internal: str, what: str) -> None:
     assert condition, (f"h11 {h11.__version__} changed {internal}: {what}. lowproxy's hot path "
                        "relies on it; keep the upper bound below this release until "
-                       "lowproxy/h11_internals.py is adapted.")
+                       "lowproxy/h11_internals/ is adapted.")
 
 
 def wire(role: type[h11.CLIENT] | type[h11.SERVER], *events: h11._events.Event) -> bytes:
