@@ -14,6 +14,7 @@ import h11
 from .._types import Headers
 from ..answers import REASONS, json_body
 from ..h11_internals import informational, response, send_data, send_end, send_response
+from .messages import ClientGone
 
 # Past this much unsent to a client, stop relaying until it catches up.
 WRITE_HIGH_WATER = 64 * 1024
@@ -23,6 +24,7 @@ class Wire(Protocol):
     """What a Responder needs of its connection."""
 
     h11: h11.Connection
+    transport: Any  # asyncio.Transport: written to directly by relay, the per-event path
 
     @property
     def draining(self) -> bool: ...
@@ -129,14 +131,18 @@ class Responder:
         """
         wire = self._wire
         if self._chunked and not self._out and len(pieces) == 1:
+            # Wire.write and write_buffer_size, inlined: this runs once per event.
+            transport = wire.transport
+            if transport.is_closing():
+                raise ClientGone()
             data = pieces[0]
             if data:
                 self.bytes_out += len(data)
-                wire.write(b"%x\r\n%s\r\n" % (len(data), data))
-        else:
-            for piece in pieces:
-                self.buffer(piece)
-            self.flush()
+                transport.write(b"%x\r\n%s\r\n" % (len(data), data))
+            return transport.get_write_buffer_size() > WRITE_HIGH_WATER
+        for piece in pieces:
+            self.buffer(piece)
+        self.flush()
         return wire.write_buffer_size() > WRITE_HIGH_WATER
 
     async def write(self, data: bytes) -> None:

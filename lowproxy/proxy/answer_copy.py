@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from .._types import Headers
 from ..downstream.messages import ResponseWriter
-from ..handshakes.usage import rewrite_body, rewrite_events
+from ..handshakes.usage import carries_usage, rewrite_body, rewrite_events
 from ..headers import client_response_head
 from ..observability.metrics import Metrics
 from ..upstream.pool import UpstreamError, UpstreamResponse
@@ -47,7 +47,7 @@ async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
         if exchange.first_byte_ms is None:
             exchange.first_byte_ms = exchange.elapsed_ms()
             first_byte.observe(exchange.first_byte_ms / 1000.0)
-        if surface is not None:
+        if surface is not None and carries_usage(surface, pieces):
             pieces = [rewrite_events(surface, piece, cached or 0) for piece in pieces]
         return responder.relay(pieces)
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
 MAX_LINE = 4096  # a chunk-size line with its extensions
 MAX_TRAILERS = 64 * 1024
 
@@ -48,13 +49,14 @@ class ChunkedDecoder:
         """The body data carried by ``data`` (and what was left over before it)."""
         if self._state == _SIZE and not self._buffer:
             # A streamed token is one read holding exactly one whole chunk with a
-            # plain size line: checked as strictly as below, in one step.
-            end = data.find(b"\r\n", 0, MAX_LINE)
-            if end > 0 and _HEX.fullmatch(data, 0, end):
-                start = end + 2
-                stop = start + int(data[:end], 16)
-                if stop > start and len(data) == stop + 2 and data.endswith(b"\r\n"):
-                    return [data[start:stop]]
+            # plain size line: checked as strictly as below, in one step (a size
+            # of 1 to 16 hex digits is what _HEX takes; strip is its cheaper test,
+            # partition cheaper than find with bounds and two slices).
+            digits, crlf, rest = data.partition(b"\r\n")
+            if crlf and 0 < len(digits) <= 16 and not digits.strip(_HEX_DIGITS):
+                size = int(digits, 16)
+                if size and len(rest) == size + 2 and rest[-2:] == b"\r\n":
+                    return [rest[:-2]]
         buffer = self._buffer + data if self._buffer else data
         size = len(buffer)
         pos = 0
