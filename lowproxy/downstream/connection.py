@@ -260,7 +260,10 @@ class ClientConnection:
                 else:
                     self._enter(Phase.IDLE, limits.keepalive_timeout)
                 first = False
-                if not await self._cycle():
+                # One request and its response, awaited here and not in a method of
+                # their own: a frame fewer held by every open stream.
+                request = await self._receive_request()
+                if request is None or not await self._respond(request):
                     break
                 start_next_cycle(self.h11)
         except ClientGone:
@@ -298,13 +301,6 @@ class ClientConnection:
                     drained += len(data)
         except (TimeoutError, ConnectionError, OSError, RuntimeError):
             pass
-
-    async def _cycle(self) -> bool:
-        """One request and its response; False when the connection must end."""
-        request = await self._receive_request()
-        if request is None:
-            return False
-        return await self._respond(request)
 
     async def _receive_request(self) -> ClientRequest | None:
         """The next request, head checked and body read; None once refused or closed."""

@@ -21,9 +21,10 @@ import asyncio
 import logging
 import socket
 import ssl as ssl_module
-from typing import Callable
+from typing import Any, Callable, Coroutine
 
 from ..answers import canned_response, error_body
+from ..asyncio_internals import release_closed_transport, slim_drain_waiters
 from .connection import READ_SIZE, ClientConnection, Handler
 from .limits import Limits
 
@@ -51,6 +52,7 @@ async def _closed(writer: asyncio.StreamWriter) -> None:
         writer.transport.abort()
     except (ConnectionError, OSError):
         pass
+    release_closed_transport(writer.transport)
 
 
 class HttpServer:
@@ -111,19 +113,25 @@ class HttpServer:
     def _full(self) -> bool:
         return len(self.connections) + self.handshaking >= self.limits.max_connections
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+                ) -> Coroutine[Any, Any, None]:
+        """start_server's callback: the coroutine its task runs for this connection.
+
+        A plain function returning it, not a coroutine awaiting it: a frame fewer
+        held by every open connection.
+        """
         if self._full() or self.draining:
             message = "shutting down" if self.draining else "too many connections"
             writer.write(canned_response(503, error_body(503, message, "unavailable")))
             writer.close()
-            await _closed(writer)
-            return
+            return _closed(writer)
         if self._on_connections:
             self._on_connections(1)
-        await self._serve(reader, writer)
+        return self._serve(reader, writer)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Run one counted connection (on_connections(1) already said) to its end."""
+        slim_drain_waiters(writer.transport.get_protocol())
         connection = ClientConnection(reader, writer, self.handler, self.limits,
                                       self._is_draining)
         self.connections.add(connection)

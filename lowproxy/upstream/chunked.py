@@ -132,17 +132,23 @@ class Waiting:
     _waiter: asyncio.Future[None] | None
     stream: RelayedStream
 
-    async def wait(self) -> None:
+    def wait(self) -> asyncio.Future[None]:
+        """A future that _wake() sets; the caller awaits it.
+
+        A future, not a coroutine awaiting one: no coroutine made per wait (one
+        per leg for the head, more for a relay that waits) and no frame held by
+        a stream that waits for minutes. A waiter cancelled with its task is
+        left done, and _wake() skips it.
+        """
         waiter = self._waiter = self.stream.loop.create_future()
-        try:
-            await waiter
-        finally:
-            self._waiter = None
+        return waiter
 
     def _wake(self) -> None:
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
 
 class ChunkedRelay(Waiting):

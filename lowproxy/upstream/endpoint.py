@@ -6,7 +6,6 @@ endpoint without importing the pool that sends to it.
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
 
@@ -66,5 +65,8 @@ class PooledConnection:
         self.created = self.idle_since = time.monotonic()
         self.generation = generation
         self.requests = 0
-        # What the idle watch calls when anything arrives (made once per connection).
-        self.on_idle_event = functools.partial(on_idle_event, self)
+        # What the idle watch calls, with this connection, when anything arrives.
+        # Not a partial holding self: a connection in a reference cycle with
+        # itself outlives its close until the cyclic GC runs, with its buffers,
+        # h11 state and socket (thousands of them after a burst of new streams).
+        self.on_idle_event = on_idle_event

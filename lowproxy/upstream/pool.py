@@ -349,7 +349,7 @@ class Upstream:
             # next answer (RFC 9112 section 9.3), and a close seen now is not a
             # request lost later.
             if (now - pooled.created < config.upstream_max_age
-                    and stream.watch_idle(pooled.on_idle_event)):
+                    and stream.watch_idle(pooled.on_idle_event, pooled)):
                 start_next_cycle(state)
                 pooled.idle_since = now
                 endpoint.idle.append(pooled)

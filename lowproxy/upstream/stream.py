@@ -25,6 +25,7 @@ from typing import Any
 
 import httpcore
 
+from ..asyncio_internals import release_closed_transport
 from ..timeouts import deadline
 
 # Stop reading from the socket past this much unread data (back-pressure).
@@ -79,6 +80,7 @@ class _StreamProtocol(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.eof = True
         self.error = exc
+        release_closed_transport(self.transport)
         if self.sink is not None:
             self.sink.connection_closed(exc)
         self._wake_reader()
@@ -104,16 +106,17 @@ class _StreamProtocol(asyncio.Protocol):
 class _IdleWatch:
     """The sink of an idle connection (see AsyncioStream.watch_idle)."""
 
-    __slots__ = ("on_event",)
+    __slots__ = ("on_event", "subject")
 
-    def __init__(self, on_event: Callable[[], None]) -> None:
+    def __init__(self, on_event: Callable[[Any], None], subject: Any) -> None:
         self.on_event = on_event
+        self.subject = subject
 
     def data_received(self, data: bytes) -> None:
-        self.on_event()
+        self.on_event(self.subject)
 
     def connection_closed(self, exc: BaseException | None) -> None:
-        self.on_event()
+        self.on_event(self.subject)
 
 
 def _expire(future: asyncio.Future[None]) -> None:
@@ -212,8 +215,9 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         return (protocol.eof or bool(protocol.chunks) or self._transport.is_closing()
                 or self._socket_readable())
 
-    def watch_idle(self, on_event: Callable[[], None]) -> bool:
-        """Call ``on_event`` once anything comes (bytes, EOF, a reset); until detach().
+    def watch_idle(self, on_event: Callable[[Any], None], subject: Any) -> bool:
+        """Call ``on_event(subject)`` once anything comes (bytes, EOF, a reset); until
+        the next attach() or close().
 
         For a connection idle between requests, where anything from the peer
         means the connection is done for. False, with no watch set, when
@@ -221,7 +225,7 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         """
         if self._protocol.eof or self._protocol.chunks:
             return False
-        self.attach(_IdleWatch(on_event))
+        self.attach(_IdleWatch(on_event, subject))
         return True
 
     def pause_reading(self) -> None:
