@@ -10,7 +10,7 @@ from .._types import Headers
 from ..downstream.messages import ResponseWriter
 from ..handshakes.usage import carries_usage, rewrite_body, rewrite_events
 from ..headers import client_response_head
-from ..observability.metrics import Metrics
+from ..observability.metrics import Histogram, Metrics
 from ..upstream.pool import UpstreamError, UpstreamResponse
 from .exchange import Exchange
 from .failures import Truncated
@@ -41,25 +41,47 @@ async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
     await responder.start(response.status, headers, content_length)
     del headers
     response.headers = []  # relayed: a stream that lasts minutes keeps no copy
-    first_byte = metrics.decode_first_byte
-
-    def deliver(pieces: list[bytes]) -> bool:
-        if exchange.first_byte_ms is None:
-            exchange.first_byte_ms = exchange.elapsed_ms()
-            first_byte.observe(exchange.first_byte_ms / 1000.0)
-        if surface is not None and carries_usage(surface, pieces):
-            pieces = [rewrite_events(surface, piece, cached or 0) for piece in pieces]
-        return responder.relay(pieces)
-
+    delivery = _Delivery(exchange, responder, metrics.decode_first_byte, surface, cached or 0)
     try:
-        await response.deliver_body(deliver, responder.wait_for_client)
+        await response.deliver_body(delivery.deliver, responder.wait_for_client)
     except UpstreamError as exc:
         raise Truncated(exc.detail, response.endpoint.label) from None
-    if exchange.first_byte_ms is None:
-        exchange.first_byte_ms = exchange.elapsed_ms()
-        first_byte.observe(exchange.first_byte_ms / 1000.0)
+    delivery.first_byte()
     await responder.end()
     metrics.decode_legs.inc("ok")
+
+
+class _Delivery:
+    """Each read of decode's body to the client (the first one timed); usage rewritten
+    in the events that carry it when ``surface`` is set.
+
+    An object with slots rather than a closure: a stream holds it for its whole
+    life, and five cells, a tuple and a function cost three times its size.
+    """
+
+    __slots__ = ("exchange", "responder", "histogram", "surface", "cached")
+
+    def __init__(self, exchange: Exchange, responder: ResponseWriter, histogram: Histogram,
+                 surface: str | None, cached: int) -> None:
+        self.exchange = exchange
+        self.responder = responder
+        self.histogram = histogram
+        self.surface = surface
+        self.cached = cached
+
+    def first_byte(self) -> None:
+        exchange = self.exchange
+        if exchange.first_byte_ms is None:
+            exchange.first_byte_ms = exchange.elapsed_ms()
+            self.histogram.observe(exchange.first_byte_ms / 1000.0)
+
+    def deliver(self, pieces: list[bytes]) -> bool:
+        if self.exchange.first_byte_ms is None:
+            self.first_byte()
+        surface = self.surface
+        if surface is not None and carries_usage(surface, pieces):
+            pieces = [rewrite_events(surface, piece, self.cached) for piece in pieces]
+        return self.responder.relay(pieces)
 
 
 async def _relay_rewritten(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,

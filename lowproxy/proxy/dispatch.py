@@ -2,8 +2,8 @@
 
 Read top to bottom, as Go's ReverseProxy is: ``run`` opens decode's response
 (``_decode_response``: decode only, the legs in turn, or both at once with the
-commit point), then copies decode's answer to the client (``_copy_answer``, with
-answer_copy.py).
+commit point), then copies decode's answer to the client (answer_copy.py, inside
+the decode timeout).
 Every failure on the way is an exception of the Failure family, and one
 function, ``failure_answers.answer_failure``, decides its metric label, its log
 line and the client's answer. The prefill-failure policy (PD_PROXY_ON_PREFILL_FAILURE) is
@@ -94,6 +94,7 @@ class Dispatcher:
         """
         try:
             plan = planning if isinstance(planning, Plan) else await planning
+            del planning  # done with: nothing of it is kept while the answer streams
             if plan.skip_reason is not None:
                 exchange.skip_reason = plan.skip_reason
                 self.metrics.prefill_legs.inc(exchange.handshake or "", "skipped",
@@ -101,7 +102,21 @@ class Dispatcher:
             abort_rids = plan.abort_rids
             response = await self._decode_response(exchange, responder, plan)
             del plan
-            await self._copy_answer(exchange, responder, response, abort_rids)
+            # Decode's answer to the client, within the decode timeout; the response is
+            # always closed. Here, not in a method of its own: a frame fewer held by
+            # every open stream.
+            try:
+                with self._decode_deadline(exchange):
+                    await relay(self.metrics, exchange, responder, response)
+            except TimeoutError:
+                raise DecodeTimedOut() from None
+            except (asyncio.CancelledError, ClientGone) as exc:
+                if isinstance(exc, ClientGone) or responder.client_gone:
+                    self.metrics.decode_legs.inc("client-gone")
+                    self._abort(exchange, response.endpoint, "decode", abort_rids)
+                raise
+            finally:
+                await response.aclose()
         except Failure as failure:
             await answer_failure(self.config, self.metrics, exchange, responder, failure)
         finally:
@@ -349,22 +364,6 @@ class Dispatcher:
             return self.deadlines.within(limit)
         return self.deadlines.within(
             max(0.0, limit - (time.perf_counter() - exchange.decode_started)))
-
-    async def _copy_answer(self, exchange: Exchange, responder: ResponseWriter,
-                           response: UpstreamResponse, abort_rids: tuple[str, ...]) -> None:
-        """Relay an opened decode response within the decode timeout; always close it."""
-        try:
-            with self._decode_deadline(exchange):
-                await relay(self.metrics, exchange, responder, response)
-        except TimeoutError:
-            raise DecodeTimedOut() from None
-        except (asyncio.CancelledError, ClientGone) as exc:
-            if isinstance(exc, ClientGone) or responder.client_gone:
-                self.metrics.decode_legs.inc("client-gone")
-                self._abort(exchange, response.endpoint, "decode", abort_rids)
-            raise
-        finally:
-            await response.aclose()
 
     # -- SGLang aborts: no leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT
 

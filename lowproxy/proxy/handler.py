@@ -350,8 +350,12 @@ class Proxy:
                                    exchange.prefill_lease)
         del body  # the plan holds it until decode's response is open, and no longer
         exchange.model = model  # decode's pick: endpoints serving the model
+        # The planning coroutine is the dispatcher's alone from here (it drops it once
+        # planned): a finished one kept in this frame would stay for the whole stream.
+        dispatched = self.dispatch.run(exchange, responder, planning)
+        del planning
         try:
-            await self.dispatch.run(exchange, responder, planning)
+            await dispatched
         finally:
             if router is not None and exchange.decode_endpoint is not None \
                     and exchange.first_byte_ms is not None:
