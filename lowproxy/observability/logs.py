@@ -134,6 +134,7 @@ class _AccessWriter:
         self._second = -1
         self._stamp = ""
         self._lines: list[str] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def _time(self) -> str:
         now = time.time()
@@ -161,11 +162,17 @@ class _AccessWriter:
             line = f"{self._time()} INFO [{access_log.name}] {self._prefix}{text_fields(fields)}"
         self._lines.append(line)
         if len(self._lines) == 1:
-            # Lines of one event-loop turn go out in one write, after the turn.
-            try:
-                asyncio.get_running_loop().call_soon(self.flush)
-            except RuntimeError:  # no loop running: write now
-                self.flush()
+            # Lines of one event-loop turn go out in one write, after the turn. The
+            # loop is remembered: asyncio.get_running_loop() costs a getpid() system
+            # call on 3.11, once per request here.
+            loop = self._loop
+            if loop is None or not loop.is_running():
+                try:
+                    loop = self._loop = asyncio.get_running_loop()
+                except RuntimeError:  # no loop running: write now
+                    self.flush()
+                    return
+            loop.call_soon(self.flush)
 
     def flush(self) -> None:
         lines, self._lines = self._lines, []
