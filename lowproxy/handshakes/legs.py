@@ -165,16 +165,24 @@ def relay_decode_body(body: Body, prefill_kv: Any, prompt_token_ids: Any = None)
     dict makes NIXL decode assert and Mooncake decode wait. ``prompt_token_ids``
     (tokenize once, opt-in) go inside the params.
     """
-    if not isinstance(prefill_kv, dict) or not prefill_kv:
+    kv = relay_decode_params(prefill_kv, prompt_token_ids)
+    if kv is None:
         return body
     decode = dict(body)
+    decode[KV] = kv
+    return decode
+
+
+def relay_decode_params(prefill_kv: Any, prompt_token_ids: Any = None) -> Body | None:
+    """Decode's kv_transfer_params in relay_decode_body, or None for none at all."""
+    if not isinstance(prefill_kv, dict) or not prefill_kv:
+        return None
     kv = dict(prefill_kv)
     kv["do_remote_prefill"] = True
     kv["do_remote_decode"] = False
     if isinstance(prompt_token_ids, list):
         kv["prompt_token_ids"] = prompt_token_ids
-    decode[KV] = kv
-    return decode
+    return kv
 
 
 def mooncake_bodies(body: Body, transfer_id: str, engine_id: str,
@@ -236,6 +244,9 @@ class Plan:
     prefill_headers: Headers = field(default_factory=list)
     concurrent: bool = False
     decode_body_for: Callable[[Any, Any], bytes] | None = None  # (kv params, token ids)
+    # Work for decode_body_for done while the prefill leg runs (relay: the client's
+    # body encoded), so that prefill's answer is followed by decode's leg sooner.
+    prepare_decode: Callable[[], None] | None = None
     prefill_failure: str | None = None
     skip_reason: str | None = None
     # SGLang: the rids each leg is served under (the proxy's own; one per child

@@ -8,13 +8,12 @@ the prompt itself, unless PD_PROXY_ON_PREFILL_FAILURE=error.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import Any, Callable
 
-from .._types import Body
+from .._types import KV, Body
 from ..routes import CHAT
 from ..upstream.endpoint import Endpoint
-from .legs import Plan, relay_decode_body, relay_prefill_body, serialise
+from .legs import Plan, relay_decode_body, relay_decode_params, relay_prefill_body, serialise
 
 
 def plan(body: Body, target: bytes, path: bytes, prefill: Endpoint, surface: str = CHAT,
@@ -30,11 +29,44 @@ def plan(body: Body, target: bytes, path: bytes, prefill: Endpoint, surface: str
     prefill_body = relay_prefill_body(body, surface)
     if forward_token_ids and surface == CHAT:
         prefill_body["return_token_ids"] = True
+    decode_body = DecodeBodyAfterPrefill(body, serialise_leg)
     return Plan(b"POST", target, None, client_body=body, prefill=prefill,
                 prefill_target=path, prefill_body=serialise_leg(prefill_body),
-                decode_body_for=partial(_decode_body, body, serialise_leg))
+                decode_body_for=decode_body, prepare_decode=decode_body.prepare)
 
 
-def _decode_body(body: Body, serialise_leg: Callable[[Body], bytes], prefill_kv: Any,
-                 prompt_token_ids: Any = None) -> bytes:
-    return serialise_leg(relay_decode_body(body, prefill_kv, prompt_token_ids))
+_KV_MEMBER = b'"%s":' % KV.encode("ascii")  # "kv_transfer_params": (a plain ASCII key)
+
+
+class DecodeBodyAfterPrefill:
+    """Decode's body in relay: the client's, with prefill's kv_transfer_params added.
+
+    ``prepare()`` encodes the client's body while the prefill leg runs
+    (dispatch calls it once that leg is sent), so that when prefill answers
+    only its small params are encoded: they are spliced in as the last key,
+    where relay_decode_body puts them, so the bytes are what encoding the
+    whole decode body gives (tests/handshakes pin that). Without prepare(),
+    or when the params are not usable, the body is encoded whole, as before.
+    """
+
+    __slots__ = ("_body", "_serialise", "_encoded")
+
+    def __init__(self, body: Body, serialise_leg: Callable[[Body], bytes]) -> None:
+        self._body = body
+        self._serialise = serialise_leg
+        self._encoded: bytes | None = None
+
+    def prepare(self) -> None:
+        if self._encoded is None:
+            self._encoded = self._serialise(self._body)
+
+    def __call__(self, prefill_kv: Any, prompt_token_ids: Any = None) -> bytes:
+        body = self._body
+        encoded = self._encoded
+        kv = relay_decode_params(prefill_kv, prompt_token_ids)
+        if kv is None:  # relay_decode_body gives the client's body unchanged
+            return encoded if encoded is not None else self._serialise(body)
+        if encoded is None or KV in body:
+            return self._serialise(relay_decode_body(body, prefill_kv, prompt_token_ids))
+        member = _KV_MEMBER + serialise(kv)
+        return b"{" + member + b"}" if encoded == b"{}" else encoded[:-1] + b"," + member + b"}"

@@ -34,6 +34,7 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
                            want_kv: bool, timeout: float, deadlines: Deadlines,
                            surface: str | None = None,
                            on_load: Callable[[bytes | None], None] | None = None,
+                           while_waiting: Callable[[], None] | None = None,
                            ) -> tuple[PrefillResult, int | None]:
     """One prefill leg and what its answer means; never raises for a backend failure.
 
@@ -44,7 +45,8 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
     try:
         with deadlines.within(timeout):
             response = await upstream.request(endpoint, b"POST", target, headers, body,
-                                              extra_headers=extra_headers)
+                                              extra_headers=extra_headers,
+                                              while_waiting=while_waiting)
             status = response.status
             if on_load is not None:  # the ORCA load report (engine_load.py), if any
                 on_load(next((value for name, value in response.headers

@@ -148,8 +148,10 @@ class Dispatcher:
 
     async def _in_turn(self, exchange: Exchange, responder: ResponseWriter,
                        plan: Plan) -> UpstreamResponse:
-        """Relay: prefill answers first; decode's body carries its kv_transfer_params."""
-        result = await self._prefill_leg(exchange, plan, want_kv=True)
+        """Relay: prefill answers first; decode's body carries its kv_transfer_params
+        (prepared while prefill computes)."""
+        result = await self._prefill_leg(exchange, plan, want_kv=True,
+                                         while_waiting=plan.prepare_decode)
         if result.ok and plan.decode_body_for is not None:
             body = plan.decode_body_for(result.kv_transfer_params, result.prompt_token_ids)
             exchange.prefill_cached_tokens = result.cached_tokens
@@ -380,8 +382,8 @@ class Dispatcher:
 
     # -- prefill
 
-    async def _prefill_leg(self, exchange: Exchange, plan: Plan,
-                           want_kv: bool) -> PrefillResult:
+    async def _prefill_leg(self, exchange: Exchange, plan: Plan, want_kv: bool,
+                           while_waiting: Callable[[], None] | None = None) -> PrefillResult:
         """Send one prefill leg and read its answer; bounded by the prefill timeout.
 
         Never raises for a backend failure: the outcome says what happened and a
@@ -404,7 +406,8 @@ class Dispatcher:
                 self.upstream, endpoint, plan.prefill_target, exchange.upstream_headers,
                 plan.prefill_body, extra, want_kv, self.config.prefill_timeout, self.deadlines,
                 exchange.surface if self.config.rewrite_cached_tokens else None,
-                None if loads is None else lambda report: loads.orca(endpoint, report))
+                None if loads is None else lambda report: loads.orca(endpoint, report),
+                while_waiting)
         finally:
             # Now, not when a stream that may last minutes ends: its prompt no
             # longer loads the prefill endpoint.

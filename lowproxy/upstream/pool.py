@@ -214,12 +214,16 @@ class Upstream:
     async def request(self, endpoint: Endpoint, method: bytes, target: bytes,
                       headers: list[tuple[bytes, bytes]], body: bytes | None, *,
                       extra_headers: Iterable[tuple[bytes, bytes]] = (),
-                      on_informational: Informational | None = None) -> UpstreamResponse:
+                      on_informational: Informational | None = None,
+                      while_waiting: Callable[[], None] | None = None) -> UpstreamResponse:
         """Send one request and return once the final response's head has arrived.
 
         ``headers`` are the end-to-end ones; host and framing are added here.
         ``on_informational(status, headers)`` is called for each 1xx but 101
         before the final head (synchronously; what it raises ends the exchange).
+        ``while_waiting()`` is called once the request is sent, before the wait
+        for the head: work the caller needs after the answer, done while the
+        backend computes it (it must not raise; on a retry it may be called again).
 
         A reused connection that the backend closed under the request (its
         keep-alive ran out as we wrote) is replaced by a fresh one, once, only
@@ -237,7 +241,7 @@ class Upstream:
             if pooled is not None:
                 try:
                     return await self._send(endpoint, pooled, method, target, wire_headers,
-                                            body, on_informational)
+                                            body, on_informational, while_waiting)
                 except UpstreamClosed as exc:
                     if exc.request_sent and not _replayable(method, wire_headers):
                         raise UpstreamNotRetried(
@@ -249,14 +253,15 @@ class Upstream:
                         log.debug("retrying on a new connection: %s", exc.detail)
             pooled = await self._connect(endpoint)
             return await self._send(endpoint, pooled, method, target, wire_headers, body,
-                                    on_informational)
+                                    on_informational, while_waiting)
         except BaseException:
             endpoint.in_flight -= 1
             raise
 
     async def _send(self, endpoint: Endpoint, pooled: PooledConnection, method: bytes,
                     target: bytes, headers: list[tuple[bytes, bytes]], body: bytes | None,
-                    on_informational: Informational | None) -> UpstreamResponse:
+                    on_informational: Informational | None,
+                    while_waiting: Callable[[], None] | None = None) -> UpstreamResponse:
         """One request on one connection, up to the final head; closes it on failure."""
         stream = pooled.stream
         assert stream is not None, "a connection in use is open"
@@ -271,6 +276,8 @@ class Upstream:
                 raise UpstreamClosed(f"{endpoint.label} closed the connection before the "
                                      "request, before answering", endpoint, request_sent=False)
             if not head.done:
+                if while_waiting is not None:
+                    while_waiting()
                 await head.wait()
             if not head.final:
                 error = head.error

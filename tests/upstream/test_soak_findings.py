@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import select
 
+from helpers import RawServer, read_request
 from lowproxy.config import Config, parse_endpoint
 from lowproxy.tls import TrustStore
 from lowproxy.upstream import Endpoint, Upstream
@@ -93,6 +94,52 @@ async def test_stray_bytes_in_the_kernel_at_checkout_are_never_the_next_answer()
         assert data != b'{"forged": true}', "a stray response was read as the answer"
         assert data == b'{"answer": 2}'
         assert len(backend.writers) == 2  # on a fresh connection
+    finally:
+        upstream.close_idle(endpoint)
+        await backend.close()
+
+
+class AnswersWhenReleased(RawServer):
+    """Reads a request, then answers only once the test releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = asyncio.Event()
+        self.received = 0
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                    number: int) -> None:
+        while True:
+            await read_request(reader)
+            self.received += 1
+            await self.release.wait()
+            self.release.clear()
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+
+
+async def test_while_waiting_runs_once_the_request_is_sent_and_before_its_answer() -> None:
+    """Upstream.request's while_waiting (relay prepares decode's body there): called
+    once a leg is on its way, while the backend has not answered, so work done there
+    overlaps the backend's."""
+    backend = await AnswersWhenReleased().start()
+    spec = parse_endpoint(backend.url)
+    upstream = Upstream(Config(decode=(spec,)), TrustStore(None))
+    endpoint = Endpoint(spec)
+    calls: list[int] = []
+
+    def while_waiting() -> None:
+        calls.append(backend.received)
+        backend.release.set()  # without this call the backend never answers
+
+    try:
+        for _ in range(2):  # a fresh connection, then the pooled one
+            response = await asyncio.wait_for(
+                upstream.request(endpoint, b"POST", b"/v1/x", [], b"{}",
+                                 while_waiting=while_waiting), 5)
+            assert await response.read(1 << 20) == b"ok"
+            await response.aclose()
+        assert len(calls) == 2
+        assert backend.received == 2 and backend.connections == 1
     finally:
         upstream.close_idle(endpoint)
         await backend.close()

@@ -1,0 +1,92 @@
+"""Relay's decode body, the client's prepared while prefill runs (relay.DecodeBodyAfterPrefill).
+
+Pure: spliced or encoded whole, the bytes are serialise(relay_decode_body(...)),
+for small bodies and for those SharedEncoding writes, whatever prefill sent back.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from test_shared_encoding import ODD_VALUES, client_body
+
+from lowproxy.handshakes.legs import (
+    SHARED_ENCODING_MIN_BYTES,
+    leg_serialiser,
+    relay_decode_body,
+    serialise,
+)
+from lowproxy.handshakes.relay import DecodeBodyAfterPrefill
+
+PREFILL_PARAMS = [
+    {"remote_engine_id": "e", "remote_block_ids": [[1, 2]], "remote_host": "10.0.0.5",
+     "remote_port": 7000, "tp_size": 2},
+    {"do_remote_decode": True, "do_remote_prefill": False, "remote_request_id": "r-1"},
+    None, {}, [], "not an object", 7,
+]
+
+
+def whole(body, params, token_ids=None):
+    return serialise(relay_decode_body(body, params, token_ids))
+
+
+@pytest.mark.parametrize("prepared", [True, False])
+@pytest.mark.parametrize("size", [0, SHARED_ENCODING_MIN_BYTES])
+@pytest.mark.parametrize("seed", range(8))
+def test_the_decode_body_is_what_encoding_it_whole_writes(seed, size, prepared):
+    chooser = random.Random(seed)
+    body = client_body(size, chooser)
+    for params in PREFILL_PARAMS:
+        for token_ids in (None, [1, 2, 3], "not a list"):
+            decode = DecodeBodyAfterPrefill(body, leg_serialiser(body, len(serialise(body))))
+            if prepared:
+                decode.prepare()
+                decode.prepare()  # twice: encoded once, same answer
+            written = decode(params, token_ids)
+            assert json.loads(written) == json.loads(whole(body, params, token_ids))
+            if "\ud800 lone" not in body.values():
+                assert written == whole(body, params, token_ids)
+
+
+def test_an_empty_client_body_takes_the_params_alone():
+    decode = DecodeBodyAfterPrefill({}, serialise)
+    decode.prepare()
+    assert decode(PREFILL_PARAMS[0]) == whole({}, PREFILL_PARAMS[0])
+    assert decode(None) == b"{}"
+
+
+def test_params_the_client_also_named_are_prefills_not_a_second_key():
+    body = {"model": "m", "kv_transfer_params": {"client": "theirs"}, "prompt": "p"}
+    decode = DecodeBodyAfterPrefill(body, serialise)
+    decode.prepare()
+    written = decode(PREFILL_PARAMS[0])
+    assert written == whole(body, PREFILL_PARAMS[0])
+    assert written.count(b"kv_transfer_params") == 1
+    assert json.loads(written)["kv_transfer_params"]["remote_engine_id"] == "e"
+
+
+@pytest.mark.parametrize("value", ODD_VALUES)
+def test_odd_values_in_prefills_params_are_written_as_json(value):
+    body = {"model": "m", "prompt": "caf\u00e9"}
+    params = {"remote_engine_id": "e", "odd": value}
+    decode = DecodeBodyAfterPrefill(body, serialise)
+    decode.prepare()
+    assert json.loads(decode(params)) == json.loads(whole(body, params))
+
+
+def test_once_prepared_the_client_body_is_not_encoded_again():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    calls = []
+
+    def counting(leg):
+        calls.append(leg)
+        return serialise(leg)
+
+    decode = DecodeBodyAfterPrefill(body, counting)
+    decode.prepare()
+    assert len(calls) == 1
+    assert decode(PREFILL_PARAMS[0]) == whole(body, PREFILL_PARAMS[0])
+    assert decode(None) == serialise(body)
+    assert len(calls) == 1  # only prefill's params were encoded after prefill answered
