@@ -21,6 +21,7 @@ import h11
 
 from .._types import Headers
 from ..answers import REASONS, bad_gateway, canned_response, error_body, internal_error
+from ..asyncio_internals import release_closed_transport
 from ..h11_internals import END_OF_MESSAGE, next_event, receive_request, start_next_cycle
 from ..routes import speaks_anthropic
 from ..timeouts import deadline
@@ -59,13 +60,36 @@ _FINAL = (Phase.REFUSED, Phase.CLOSED, Phase.GONE)
 _DUE_408 = (Phase.HEAD, Phase.BODY)
 
 
+# How long a closed connection may take to flush what it still has queued.
+CLOSE_GRACE = 10.0
+
+
+async def closed(writer: asyncio.StreamWriter) -> None:
+    """Wait for a closed connection to be gone; abort one whose peer will not read.
+
+    close() flushes what is queued first, which a client that stopped reading
+    never lets happen: after CLOSE_GRACE the socket is aborted, so no fd
+    outlives its client. Awaiting also collects the reset error asyncio keeps
+    for a peer that reset, which it would otherwise report as never retrieved.
+    """
+    try:
+        await asyncio.wait_for(writer.wait_closed(), CLOSE_GRACE)
+    except asyncio.TimeoutError:
+        writer.transport.abort()
+    except (ConnectionError, OSError):
+        pass
+    release_closed_transport(writer.transport)
+
+
 class ClientConnection:
     """One client socket: the h11 state, its phase and timer, and its request cycles."""
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 handler: Handler, limits: Limits, is_draining: Callable[[], bool]) -> None:
+                 handler: Handler, limits: Limits, is_draining: Callable[[], bool],
+                 on_end: Callable[[ClientConnection], None] | None = None) -> None:
         self.reader = reader
         self.writer = writer
+        self._on_end = on_end  # told once, as the connection is closed (the server's count)
         self.transport = writer.transport
         self.handler = handler
         self.limits = limits
@@ -276,9 +300,14 @@ class ClientConnection:
         finally:
             self._cancel_timer()
             self._watching = False
-            if self.phase is Phase.REFUSED:
-                await self._linger_then_close()
-            self.abort() if self.gone else self.close()
+            try:
+                if self.phase is Phase.REFUSED:
+                    await self._linger_then_close()
+                self.abort() if self.gone else self.close()
+            finally:
+                if self._on_end is not None:
+                    self._on_end(self)
+        await closed(self.writer)
 
     async def _linger_then_close(self) -> None:
         """After refusing a request, read and drop what the client still sends.

@@ -24,35 +24,16 @@ import ssl as ssl_module
 from typing import Any, Callable, Coroutine
 
 from ..answers import canned_response, error_body
-from ..asyncio_internals import release_closed_transport, slim_drain_waiters
-from .connection import READ_SIZE, ClientConnection, Handler
+from ..asyncio_internals import slim_drain_waiters
+from .connection import READ_SIZE, ClientConnection, Handler, closed
 from .limits import Limits
 
 __all__ = ["HttpServer", "Limits"]
 
 log = logging.getLogger("lowproxy.server")
 
-# How long a closed connection may take to flush what it still has queued.
-CLOSE_GRACE = 10.0
 # After accept() failed (EMFILE: out of file descriptors), before the next one.
 ACCEPT_RETRY_SECONDS = 0.1
-
-
-async def _closed(writer: asyncio.StreamWriter) -> None:
-    """Wait for a closed connection to be gone; abort one whose peer will not read.
-
-    close() flushes what is queued first, which a client that stopped reading
-    never lets happen: after CLOSE_GRACE the socket is aborted, so no fd
-    outlives its client. Awaiting also collects the reset error asyncio keeps
-    for a peer that reset, which it would otherwise report as never retrieved.
-    """
-    try:
-        await asyncio.wait_for(writer.wait_closed(), CLOSE_GRACE)
-    except asyncio.TimeoutError:
-        writer.transport.abort()
-    except (ConnectionError, OSError):
-        pass
-    release_closed_transport(writer.transport)
 
 
 class HttpServer:
@@ -124,24 +105,29 @@ class HttpServer:
             message = "shutting down" if self.draining else "too many connections"
             writer.write(canned_response(503, error_body(503, message, "unavailable")))
             writer.close()
-            return _closed(writer)
+            return closed(writer)
         if self._on_connections:
             self._on_connections(1)
         return self._serve(reader, writer)
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        """Run one counted connection (on_connections(1) already said) to its end."""
+    def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+               ) -> Coroutine[Any, Any, None]:
+        """The coroutine running one counted connection (on_connections(1) already
+        said) to its end; the connection tells _ended when it is over.
+
+        A plain function: the connection's own run() is the task's outermost
+        frame, one frame fewer held by every open connection.
+        """
         slim_drain_waiters(writer.transport.get_protocol())
         connection = ClientConnection(reader, writer, self.handler, self.limits,
-                                      self._is_draining)
+                                      self._is_draining, self._ended)
         self.connections.add(connection)
-        try:
-            await connection.run()
-        finally:
-            self.connections.discard(connection)
-            if self._on_connections:
-                self._on_connections(-1)
-        await _closed(writer)
+        return connection.run()
+
+    def _ended(self, connection: ClientConnection) -> None:
+        self.connections.discard(connection)
+        if self._on_connections:
+            self._on_connections(-1)
 
     # -- TLS: accepted plain, counted, then handshaken under a bound
 
