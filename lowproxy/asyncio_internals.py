@@ -1,4 +1,4 @@
-"""The two asyncio internals lowproxy touches, both for the memory a connection holds.
+"""The asyncio internals lowproxy touches: what a connection holds and what a read costs.
 
 A selector transport's read callback:
 
@@ -18,7 +18,16 @@ is 760 bytes on every client connection, open or idle, though at most one
 writer ever waits on a connection here. A list does what the deque is used for
 (append, remove, iterate) in 80.
 
-tests/test_asyncio_internals.py pins both attributes and their effect on the
+A selector transport's read size: asyncio's own loop reads with
+``sock.recv(max_size)``, 256 KiB by default, above glibc's mmap threshold
+(128 KiB): every read maps 256 KiB, remaps it to the bytes that came, and
+unmaps them once consumed, three system calls and a page fault per read (an
+SSE event, a request, a response head), about 16 µs on this machine against
+2.4 for a 64 KiB read. 64 KiB comes from the heap and is shrunk in place; the
+read-side flow control of both sides works in 64 KiB anyway. (uvloop reads
+into a buffer it keeps: untouched.)
+
+tests/test_asyncio_internals.py pins these attributes and their effect on the
 Python it runs on.
 """
 
@@ -44,3 +53,15 @@ def slim_drain_waiters(protocol: asyncio.BaseProtocol) -> None:
     waiters = getattr(protocol, "_drain_waiters", None)
     if type(waiters) is collections.deque and not waiters:
         protocol._drain_waiters = []  # type: ignore[attr-defined]
+
+
+# What asyncio's selector transports read at once (see above): the downstream
+# and upstream read sizes.
+READ_SIZE = 64 * 1024
+
+
+def read_in_heap_sized_pieces(transport: asyncio.BaseTransport) -> None:
+    """A selector transport reads READ_SIZE at most; other transports untouched."""
+    size = getattr(transport, "max_size", None)
+    if type(size) is int and size > READ_SIZE and hasattr(transport, "_read_ready_cb"):
+        transport.max_size = READ_SIZE  # type: ignore[attr-defined]

@@ -24,7 +24,7 @@ import ssl as ssl_module
 from typing import Any, Callable, Coroutine
 
 from ..answers import canned_response, error_body
-from ..asyncio_internals import slim_drain_waiters
+from ..asyncio_internals import read_in_heap_sized_pieces, slim_drain_waiters
 from .connection import READ_SIZE, ClientConnection, Handler, closed
 from .limits import Limits
 
@@ -119,6 +119,7 @@ class HttpServer:
         frame, one frame fewer held by every open connection.
         """
         slim_drain_waiters(writer.transport.get_protocol())
+        read_in_heap_sized_pieces(writer.transport)
         connection = ClientConnection(reader, writer, self.handler, self.limits,
                                       self._is_draining, self._ended)
         self.connections.add(connection)

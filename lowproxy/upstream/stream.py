@@ -25,7 +25,7 @@ from typing import Any
 
 import httpcore
 
-from ..asyncio_internals import release_closed_transport
+from ..asyncio_internals import read_in_heap_sized_pieces, release_closed_transport
 from ..timeouts import deadline
 
 # Stop reading from the socket past this much unread data (back-pressure).
@@ -57,6 +57,7 @@ class _StreamProtocol(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        read_in_heap_sized_pieces(transport)
 
     def data_received(self, data: bytes) -> None:
         self.received += len(data)
