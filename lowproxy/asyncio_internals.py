@@ -4,7 +4,7 @@ A selector transport's read callback:
 
 On asyncio's own loop (not uvloop, whose transports are C objects) a socket
 transport keeps its read callback as a bound method of itself
-(``_SelectorSocketTransport._read_ready_cb``, CPython 3.11-3.13). Every such
+(``_SelectorSocketTransport._read_ready_cb``, CPython 3.10-3.13). Every such
 transport is therefore in a reference cycle and outlives its close until the
 cyclic GC's next full pass, with its socket objects and address tuples. After a
 burst of short connections (a few hundred prefill legs opened at once, then
