@@ -137,6 +137,9 @@ class UpstreamResponse:
                 relay.start()  # type: ignore[union-attr]
             if head.eof is not False:
                 relay.connection_closed(head.eof if head.eof is not True else None)
+            # Nor in this frame: the head reader keeps the head's bytes and event,
+            # which a stream lasting minutes would hold to its end.
+            del head
             stream.resume_reading()  # the head reader may have paused it
             while relay.error is None and not relay.done:
                 if relay.slow:
