@@ -10,7 +10,9 @@ cyclic GC's next full pass, with its socket objects and address tuples. After a
 burst of short connections (a few hundred prefill legs opened at once, then
 discarded because the idle pool is full) that is megabytes of RSS held for
 minutes. Clearing the attribute once the transport is closing lets reference
-counting free it at once (3.12 clears it in close() itself, not in abort()).
+counting free it at once. 3.12 adds a second one, the write callback
+(``_write_ready``, a bound method kept on the instance); it clears both in
+close() itself, but not in abort().
 
 A stream protocol's drain waiters: asyncio.start_server's StreamReaderProtocol
 keeps the futures of writers waiting in drain() in a deque, whose first block
@@ -43,9 +45,13 @@ def release_closed_transport(transport: asyncio.BaseTransport | None) -> None:
     Safe once the transport is closing: close() and abort() have removed its
     reader, so the callback is never called again.
     """
-    if (transport is not None and getattr(transport, "_read_ready_cb", None) is not None
-            and transport.is_closing()):
+    if transport is None or not transport.is_closing():
+        return
+    if getattr(transport, "_read_ready_cb", None) is not None:
         transport._read_ready_cb = None  # type: ignore[attr-defined]
+    # 3.12+: an instance attribute (on 3.10 and 3.11 it is the class's method).
+    if getattr(transport, "__dict__", {}).get("_write_ready") is not None:
+        transport._write_ready = None  # type: ignore[attr-defined]
 
 
 def slim_drain_waiters(protocol: asyncio.BaseProtocol) -> None:

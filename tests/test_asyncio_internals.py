@@ -13,6 +13,7 @@ import asyncio
 import collections
 import contextlib
 import gc
+import sys
 import weakref
 from typing import Any, Iterator
 
@@ -64,6 +65,8 @@ async def test_the_pinned_internal_a_closed_transport_keeps_itself_alive():
     transport, server = await _connected_pair()
     try:
         assert transport._read_ready_cb.__self__ is transport  # type: ignore[attr-defined]
+        if sys.version_info >= (3, 12):  # and the write callback, on the instance
+            assert transport.__dict__["_write_ready"].__self__ is transport
         with no_cyclic_gc():
             alive = weakref.ref(transport)
             transport.abort()  # 3.12+ clears the callback in close(), never in abort()
