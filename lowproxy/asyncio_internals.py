@@ -63,11 +63,11 @@ def slim_drain_waiters(protocol: asyncio.BaseProtocol) -> None:
 
 # What asyncio's selector transports read at once (see above): the downstream
 # and upstream read sizes.
-READ_SIZE = 64 * 1024
+TRANSPORT_READ_SIZE = 64 * 1024
 
 
 def read_in_heap_sized_pieces(transport: asyncio.BaseTransport) -> None:
-    """A selector transport reads READ_SIZE at most; other transports untouched."""
+    """A selector transport reads TRANSPORT_READ_SIZE at most; other transports untouched."""
     size = getattr(transport, "max_size", None)
-    if type(size) is int and size > READ_SIZE and hasattr(transport, "_read_ready_cb"):
-        transport.max_size = READ_SIZE  # type: ignore[attr-defined]
+    if type(size) is int and size > TRANSPORT_READ_SIZE and hasattr(transport, "_read_ready_cb"):
+        transport.max_size = TRANSPORT_READ_SIZE  # type: ignore[attr-defined]

@@ -22,7 +22,7 @@ import pytest
 from helpers import CHAT, chat, config_for, running_proxy
 from helpers.client import Client
 from lowproxy.asyncio_internals import (
-    READ_SIZE,
+    TRANSPORT_READ_SIZE,
     read_in_heap_sized_pieces,
     release_closed_transport,
     slim_drain_waiters,
@@ -184,9 +184,9 @@ async def test_the_pinned_internal_selector_transports_read_256_kib_at_once():
     selector_loop_only()
     transport, server = await _connected_pair()
     try:
-        assert transport.max_size == 256 * 1024 > READ_SIZE  # type: ignore[attr-defined]
+        assert transport.max_size == 256 * 1024 > TRANSPORT_READ_SIZE  # type: ignore[attr-defined]
         read_in_heap_sized_pieces(transport)
-        assert transport.max_size == READ_SIZE  # type: ignore[attr-defined]
+        assert transport.max_size == TRANSPORT_READ_SIZE  # type: ignore[attr-defined]
         read_in_heap_sized_pieces(asyncio.Transport())  # none to change: left alone
     finally:
         transport.close()
@@ -194,7 +194,7 @@ async def test_the_pinned_internal_selector_transports_read_256_kib_at_once():
 
 
 async def test_both_sides_of_the_proxy_read_in_heap_sized_pieces_and_a_large_body_goes_whole():
-    """The client's connection and the decode leg's read READ_SIZE at most; a client
+    """The client's connection and the decode leg's read TRANSPORT_READ_SIZE at most; a client
     body five times that still reaches decode whole."""
     selector_loop_only()
     decode = await DemoBackend("decode").start(bootstrap_port=None)
@@ -202,17 +202,17 @@ async def test_both_sides_of_the_proxy_read_in_heap_sized_pieces_and_a_large_bod
         async with running_proxy(config_for((), decode.url)) as proxy:
             client = await Client.open(proxy.port)
             try:
-                prompt = "p" * (5 * READ_SIZE)
+                prompt = "p" * (5 * TRANSPORT_READ_SIZE)
                 client.send("POST", "/v1/completions", {"model": "demo-model", "prompt": prompt,
                                                           "max_tokens": 4, "echo": True})
                 reply = await client.reply()
                 assert reply.status == 200, reply.body
                 [connection] = proxy.server.connections
-                assert connection.writer.transport.max_size == READ_SIZE
+                assert connection.writer.transport.max_size == TRANSPORT_READ_SIZE
                 [endpoint] = proxy.proxy.decode.endpoints
                 [pooled] = endpoint.idle
                 assert pooled.stream is not None
-                assert pooled.stream._transport.max_size == READ_SIZE
+                assert pooled.stream._transport.max_size == TRANSPORT_READ_SIZE
                 [leg] = decode.requests_to("/v1/completions")
                 assert leg.body["prompt"] == prompt
             finally:

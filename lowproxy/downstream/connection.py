@@ -21,10 +21,10 @@ import h11
 
 from .._types import Headers
 from ..answers import REASONS, bad_gateway, canned_response, error_body, internal_error
-from ..asyncio_internals import release_closed_transport
 from ..h11_internals import END_OF_MESSAGE, next_event, receive_request, start_next_cycle
 from ..routes import speaks_anthropic
 from ..timeouts import deadline
+from .closing import closed
 from .hangup import HangUpHook
 from .limits import Limits, origin_target, oversized_head_status, refusal
 from .messages import AbortResponse, ClientGone, ClientRequest, ResponseWriter
@@ -58,27 +58,6 @@ class Phase(enum.Enum):
 
 _FINAL = (Phase.REFUSED, Phase.CLOSED, Phase.GONE)
 _DUE_408 = (Phase.HEAD, Phase.BODY)
-
-
-# How long a closed connection may take to flush what it still has queued.
-CLOSE_GRACE = 10.0
-
-
-async def closed(writer: asyncio.StreamWriter) -> None:
-    """Wait for a closed connection to be gone; abort one whose peer will not read.
-
-    close() flushes what is queued first, which a client that stopped reading
-    never lets happen: after CLOSE_GRACE the socket is aborted, so no fd
-    outlives its client. Awaiting also collects the reset error asyncio keeps
-    for a peer that reset, which it would otherwise report as never retrieved.
-    """
-    try:
-        await asyncio.wait_for(writer.wait_closed(), CLOSE_GRACE)
-    except asyncio.TimeoutError:
-        writer.transport.abort()
-    except (ConnectionError, OSError):
-        pass
-    release_closed_transport(writer.transport)
 
 
 class ClientConnection:

@@ -25,7 +25,8 @@ from typing import Any, Callable, Coroutine
 
 from ..answers import canned_response, error_body
 from ..asyncio_internals import read_in_heap_sized_pieces, slim_drain_waiters
-from .connection import READ_SIZE, ClientConnection, Handler, closed
+from .closing import closed
+from .connection import READ_SIZE, ClientConnection, Handler
 from .limits import Limits
 
 __all__ = ["HttpServer", "Limits"]

@@ -13,7 +13,7 @@ from typing import Any, Callable
 from .._types import KV, Body
 from ..routes import CHAT
 from ..upstream.endpoint import Endpoint
-from .legs import Plan, relay_decode_body, relay_decode_params, relay_prefill_body, serialise
+from .legs import Plan, relay_decode_params, relay_prefill_body, serialise
 
 
 def plan(body: Body, target: bytes, path: bytes, prefill: Endpoint, surface: str = CHAT,
@@ -67,6 +67,6 @@ class DecodeBodyAfterPrefill:
         if kv is None:  # relay_decode_body gives the client's body unchanged
             return encoded if encoded is not None else self._serialise(body)
         if encoded is None or KV in body:
-            return self._serialise(relay_decode_body(body, prefill_kv, prompt_token_ids))
+            return self._serialise({**body, KV: kv})  # relay_decode_body's, whole
         member = _KV_MEMBER + serialise(kv)
         return b"{" + member + b"}" if encoded == b"{}" else encoded[:-1] + b"," + member + b"}"
