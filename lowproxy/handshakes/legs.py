@@ -228,7 +228,7 @@ class Plan:
     Decode only when ``prefill`` is None. Otherwise the prefill leg goes to
     ``prefill`` and decode gets ``decode_body`` at the same time
     (``concurrent``), or, in turn, the body ``decode_body_for`` makes from
-    prefill's ``kv_transfer_params``. ``client_body`` is kept for the
+    prefill's ``kv_transfer_params``. ``client_body`` (or ``fallback``) is kept for the
     recompute fallback (decode computes the prompt itself); ``prefill_failure``
     says the prefill leg failed before it could be sent (no endpoint, no
     bootstrap map), so dispatch applies the failure policy at once.
@@ -252,10 +252,27 @@ class Plan:
     # SGLang: the rids each leg is served under (the proxy's own; one per child
     # of a batch), to abort them by.
     abort_rids: tuple[str, ...] = ()
+    # Gives fallback_body's bytes where the plan keeps the client's body otherwise
+    # than as client_body (relay: encoded while the prefill leg runs).
+    fallback: Callable[[], bytes] | None = None
 
     def fallback_body(self) -> bytes:
         """Decode's body when there is no KV to pull: the client's, as it came."""
+        if self.fallback is not None:
+            return self.fallback()
         return serialise(self.client_body if self.client_body is not None else {})
+
+    def decode_body_made(self) -> None:
+        """Relay's decode body is made: the parsed client body, both legs' bodies and
+        the prepared encoding are not needed any more. Let go of them, so that a
+        request waiting for decode's response head (a connect storm of new streams
+        keeps thousands waiting at once) holds no prompt; the peak of those waits
+        is what the process's memory keeps (pymalloc's arenas stay mapped)."""
+        self.client_body = None
+        self.prefill_body = b""
+        self.decode_body_for = None
+        self.prepare_decode = None
+        self.fallback = None
 
 
 def decode_only_plan(method: bytes, target: bytes, body: bytes | None,

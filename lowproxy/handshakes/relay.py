@@ -30,9 +30,12 @@ def plan(body: Body, target: bytes, path: bytes, prefill: Endpoint, surface: str
     if forward_token_ids and surface == CHAT:
         prefill_body["return_token_ids"] = True
     decode_body = DecodeBodyAfterPrefill(body, serialise_leg)
-    return Plan(b"POST", target, None, client_body=body, prefill=prefill,
+    # No client_body: the decode body keeps the client's (as its encoding, once
+    # prepared) and gives the recompute fallback from it.
+    return Plan(b"POST", target, None, prefill=prefill,
                 prefill_target=path, prefill_body=serialise_leg(prefill_body),
-                decode_body_for=decode_body, prepare_decode=decode_body.prepare)
+                decode_body_for=decode_body, prepare_decode=decode_body.prepare,
+                fallback=decode_body.client_encoded)
 
 
 _KV_MEMBER = b'"%s":' % KV.encode("ascii")  # "kv_transfer_params": (a plain ASCII key)
@@ -52,21 +55,35 @@ class DecodeBodyAfterPrefill:
     __slots__ = ("_body", "_serialise", "_encoded")
 
     def __init__(self, body: Body, serialise_leg: Callable[[Body], bytes]) -> None:
-        self._body = body
+        self._body: Body | None = body
         self._serialise = serialise_leg
         self._encoded: bytes | None = None
 
     def prepare(self) -> None:
-        if self._encoded is None:
-            self._encoded = self._serialise(self._body)
+        body = self._body
+        if self._encoded is None and body is not None:
+            self._encoded = self._serialise(body)
+            if KV not in body:
+                # The encoding is all that is needed from here: a connect storm keeps
+                # thousands of prefill legs waiting at once, and the parsed prompt
+                # of each would stay in the process's memory peak. (A SharedEncoding
+                # serialiser holds the body and its members' encodings too.)
+                self._body = None
+                self._serialise = serialise
+
+    def client_encoded(self) -> bytes:
+        """The client's body as it came: decode's when there is no KV to pull."""
+        encoded = self._encoded
+        return encoded if encoded is not None else self._serialise(self._body or {})
 
     def __call__(self, prefill_kv: Any, prompt_token_ids: Any = None) -> bytes:
         body = self._body
         encoded = self._encoded
         kv = relay_decode_params(prefill_kv, prompt_token_ids)
         if kv is None:  # relay_decode_body gives the client's body unchanged
-            return encoded if encoded is not None else self._serialise(body)
-        if encoded is None or KV in body:
-            return self._serialise({**body, KV: kv})  # relay_decode_body's, whole
+            return self.client_encoded()
+        if encoded is None or (body is not None and KV in body):
+            # relay_decode_body's, whole (once prepared without the body, never KV in it)
+            return self._serialise({**(body or {}), KV: kv})
         member = _KV_MEMBER + serialise(kv)
         return b"{" + member + b"}" if encoded == b"{}" else encoded[:-1] + b"," + member + b"}"

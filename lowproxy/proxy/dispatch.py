@@ -157,6 +157,8 @@ class Dispatcher:
             exchange.prefill_cached_tokens = result.cached_tokens
         else:
             body = self._without_kv(exchange, plan, result)
+        del result
+        plan.decode_body_made()
         return await self._open_decode_bounded(exchange, responder, plan.method,
                                                plan.decode_target, body)
 

@@ -12,6 +12,8 @@ import random
 import pytest
 from test_shared_encoding import ODD_VALUES, client_body
 
+from lowproxy.config import parse_endpoint
+from lowproxy.handshakes import relay
 from lowproxy.handshakes.legs import (
     SHARED_ENCODING_MIN_BYTES,
     leg_serialiser,
@@ -19,6 +21,7 @@ from lowproxy.handshakes.legs import (
     serialise,
 )
 from lowproxy.handshakes.relay import DecodeBodyAfterPrefill
+from lowproxy.upstream.endpoint import Endpoint
 
 PREFILL_PARAMS = [
     {"remote_engine_id": "e", "remote_block_ids": [[1, 2]], "remote_host": "10.0.0.5",
@@ -90,3 +93,39 @@ def test_once_prepared_the_client_body_is_not_encoded_again():
     assert decode(PREFILL_PARAMS[0]) == whole(body, PREFILL_PARAMS[0])
     assert decode(None) == serialise(body)
     assert len(calls) == 1  # only prefill's params were encoded after prefill answered
+
+
+@pytest.mark.parametrize("size", [0, SHARED_ENCODING_MIN_BYTES])
+def test_once_prepared_only_the_encoding_is_kept_and_it_is_the_fallback(size):
+    """A request waiting for prefill holds the client body's encoding, not the parsed
+    body nor the serialiser that shares it; the recompute fallback is that encoding."""
+    body = client_body(size, random.Random(3))
+    serialiser = leg_serialiser(body, len(serialise(body)))
+    decode = DecodeBodyAfterPrefill(body, serialiser)
+    assert decode.client_encoded() == serialise(body)  # not prepared: encoded on demand
+    decode.prepare()
+    assert decode._body is None and decode._serialise is serialise
+    assert decode.client_encoded() == serialise(body)
+    assert decode(PREFILL_PARAMS[0]) == whole(body, PREFILL_PARAMS[0])
+
+
+def test_a_body_naming_the_params_itself_is_kept_to_replace_them():
+    body = {"model": "m", "kv_transfer_params": {"client": "theirs"}, "prompt": "p"}
+    decode = DecodeBodyAfterPrefill(body, serialise)
+    decode.prepare()
+    assert decode._body is body
+    assert decode.client_encoded() == serialise(body)
+
+
+def test_the_relay_plan_falls_back_to_the_client_body_and_lets_go_once_decode_is_made():
+    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    plan = relay.plan(body, b"/v1/chat/completions", b"/v1/chat/completions",
+                      Endpoint(parse_endpoint("http://127.0.0.1:1")))
+    assert plan.client_body is None and plan.fallback is not None
+    assert plan.fallback_body() == serialise(body)
+    assert plan.prepare_decode is not None
+    plan.prepare_decode()
+    assert plan.fallback_body() == serialise(body)
+    plan.decode_body_made()
+    assert (plan.prefill_body, plan.decode_body_for, plan.prepare_decode, plan.fallback) \
+        == (b"", None, None, None)

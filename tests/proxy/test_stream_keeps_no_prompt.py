@@ -18,6 +18,7 @@ import pytest
 
 from helpers import config_for, running_proxy
 from helpers.client import Client
+from lowproxy.handshakes.legs import Plan
 
 MARKER = "a prompt nobody else holds " + "x" * 3000
 
@@ -57,5 +58,113 @@ async def test_an_open_stream_keeps_no_parsed_prompt(kv_protocol):
             finally:
                 client.close()
     finally:
+        demo.terminate()
+        await demo.wait()
+
+
+class HeldLeg:
+    """A backend that takes one leg and answers it only when told: the proxy waits for
+    that answer meanwhile. The body is read as bytes (no parsed copy of the prompt in
+    this process but the proxy's)."""
+
+    def __init__(self) -> None:
+        self.arrived = asyncio.Event()
+        self.release = asyncio.Event()
+        self.answer = b""  # empty: the connection is closed without an answer
+        self.received = b""
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        self.received = head + await reader.readexactly(length)
+        self.arrived.set()
+        await self.release.wait()
+        writer.write(self.answer)
+        await writer.drain()
+        writer.close()
+
+    async def stop(self) -> None:
+        self.release.set()
+        assert self.server is not None
+        self.server.close()
+
+
+async def _demo() -> tuple[asyncio.subprocess.Process, dict]:
+    demo = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lowproxy.demo", stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL)
+    assert demo.stdout is not None
+    return demo, json.loads(await demo.stdout.readline())
+
+
+def _chat() -> bytes:
+    return json.dumps({"model": "demo-model", "max_tokens": 4,
+                       "messages": [{"role": "system", "content": "be brief"},
+                                    {"role": "user", "content": MARKER}]}).encode()
+
+
+async def test_relay_waiting_for_prefill_keeps_no_parsed_prompt_and_falls_back_to_it():
+    """The client's body is encoded once prefill's leg is sent; from then on a request
+    waiting for prefill (a connect storm keeps thousands waiting, and that peak is
+    what the process's memory keeps) holds the encoding, not the parsed prompt. The
+    encoding is also the recompute fallback's body: decode gets the client's body."""
+    demo, info = await _demo()
+    prefill = HeldLeg()
+    try:
+        config = config_for(await prefill.start(), info["decode"], kv_protocol="relay")
+        async with running_proxy(config) as proxy:
+            client = await Client.open(proxy.port)
+            try:
+                client.send("POST", "/v1/chat/completions", raw_body=_chat())
+                await asyncio.wait_for(prefill.arrived.wait(), 10)
+                assert MARKER.encode() in prefill.received
+                assert _prompt_dicts() == []
+                prefill.release.set()  # closed unanswered: decode recomputes the prompt
+                answer = await client.reply(timeout=10)
+                assert answer.status == 200, answer.body
+                assert json.loads(answer.body)["choices"][0]["message"]["content"]
+            finally:
+                client.close()
+    finally:
+        await prefill.stop()
+        demo.terminate()
+        await demo.wait()
+
+
+async def test_relay_waiting_for_decode_head_keeps_no_parsed_prompt():
+    """Once decode's body is made, neither the parsed prompt nor prefill's body is
+    kept while decode's response head is awaited."""
+    demo, info = await _demo()
+    decode = HeldLeg()
+    decode.answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"content-length: 2\r\nconnection: close\r\n\r\n{}")
+    try:
+        config = config_for(info["prefill"], await decode.start(), kv_protocol="relay")
+        async with running_proxy(config) as proxy:
+            client = await Client.open(proxy.port)
+            try:
+                client.send("POST", "/v1/chat/completions", raw_body=_chat())
+                await asyncio.wait_for(decode.arrived.wait(), 10)
+                assert b'"kv_transfer_params":' in decode.received
+                assert _prompt_dicts() == []
+                # Nor prefill's body, nor the client's encoding (bytes: not tracked by
+                # the collector, so the plan that held them is looked at).
+                plans = [o for o in gc.get_objects() if type(o) is Plan]
+                assert len(plans) == 1
+                assert (plans[0].prefill_body, plans[0].decode_body_for,
+                        plans[0].fallback, plans[0].client_body) == (b"", None, None, None)
+                decode.release.set()
+                answer = await client.reply(timeout=10)
+                assert (answer.status, answer.body) == (200, b"{}")
+            finally:
+                client.close()
+    finally:
+        await decode.stop()
         demo.terminate()
         await demo.wait()
