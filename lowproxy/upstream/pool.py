@@ -226,7 +226,9 @@ class Upstream:
         before the final head (synchronously; what it raises ends the exchange).
         ``while_waiting()`` is called once the request is sent, before the wait
         for the head: work the caller needs after the answer, done while the
-        backend computes it (it must not raise; on a retry it may be called again).
+        backend computes it (it must not raise; it may be called more than once:
+        on a retry, and before a new connection is dialled, a wait too, so that
+        what the work lets go of is not held through a connect storm).
 
         A reused connection that the backend closed under the request (its
         keep-alive ran out as we wrote) is replaced by a fresh one, once, only
@@ -254,6 +256,8 @@ class Upstream:
                             "idempotency-key", endpoint) from None
                     if log.isEnabledFor(logging.DEBUG):
                         log.debug("retrying on a new connection: %s", exc.detail)
+            if while_waiting is not None:
+                while_waiting()
             pooled = await self._connect(endpoint)
             return await self._send(endpoint, pooled, method, target, wire_headers, body,
                                     on_informational, while_waiting)

@@ -120,15 +120,16 @@ class AnswersWhenReleased(RawServer):
 async def test_while_waiting_runs_once_the_request_is_sent_and_before_its_answer() -> None:
     """Upstream.request's while_waiting (relay prepares decode's body there): called
     once a leg is on its way, while the backend has not answered, so work done there
-    overlaps the backend's."""
+    overlaps the backend's; and, before a new connection is dialled, once more, so
+    that a connect storm does not hold what it lets go of."""
     backend = await AnswersWhenReleased().start()
     spec = parse_endpoint(backend.url)
     upstream = Upstream(Config(decode=(spec,)), TrustStore(None))
     endpoint = Endpoint(spec)
-    calls: list[int] = []
+    calls: list[tuple[int, int]] = []
 
     def while_waiting() -> None:
-        calls.append(backend.received)
+        calls.append((backend.connections, endpoint.open))
         backend.release.set()  # without this call the backend never answers
 
     try:
@@ -138,7 +139,8 @@ async def test_while_waiting_runs_once_the_request_is_sent_and_before_its_answer
                                  while_waiting=while_waiting), 5)
             assert await response.read(1 << 20) == b"ok"
             await response.aclose()
-        assert len(calls) == 2
+        # Dialling: nothing connected yet; sent, on the fresh connection; the pooled one.
+        assert [opened for _, opened in calls] == [0, 1, 1]
         assert backend.received == 2 and backend.connections == 1
     finally:
         upstream.close_idle(endpoint)
