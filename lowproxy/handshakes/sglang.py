@@ -101,6 +101,9 @@ def plan(body: Body, target: bytes, path: bytes, prefill: Endpoint, bootstrap_ho
     batch = children(surface, body)
     shaped = serialise(sglang_body(body, bootstrap_host, bootstrap_port,
                                    rooms_for(batch, new_room), rid))
-    return Plan(b"POST", target, shaped, client_body=body, prefill=prefill,
+    # No client_body: an SGLang decode cannot recompute the prompt without a
+    # bootstrap room (dispatch answers a prefill failure with 502), so there is no
+    # fallback to keep the parsed prompt for while both legs run.
+    return Plan(b"POST", target, shaped, prefill=prefill,
                 prefill_target=path, prefill_body=shaped, concurrent=True,
                 abort_rids=child_rids(rid, batch))

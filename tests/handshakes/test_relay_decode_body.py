@@ -1,4 +1,5 @@
-"""Relay's decode body, the client's prepared while prefill runs (relay.DecodeBodyAfterPrefill).
+"""Relay's decode body, the client's prepared while prefill runs (relay.DecodeBodyAfterPrefill),
+and Mooncake's recompute fallback cut from its decode body.
 
 Pure: spliced or encoded whole, the bytes are serialise(relay_decode_body(...)),
 for small bodies and for those SharedEncoding writes, whatever prefill sent back.
@@ -13,7 +14,7 @@ import pytest
 from test_shared_encoding import ODD_VALUES, client_body
 
 from lowproxy.config import parse_endpoint
-from lowproxy.handshakes import relay
+from lowproxy.handshakes import mooncake, relay
 from lowproxy.handshakes.legs import (
     SHARED_ENCODING_MIN_BYTES,
     leg_serialiser,
@@ -129,3 +130,31 @@ def test_the_relay_plan_falls_back_to_the_client_body_and_lets_go_once_decode_is
     plan.decode_body_made()
     assert (plan.prefill_body, plan.decode_body_for, plan.prepare_decode, plan.fallback) \
         == (b"", None, None, None)
+
+
+@pytest.mark.parametrize("size", [0, SHARED_ENCODING_MIN_BYTES])
+@pytest.mark.parametrize("seed", range(12))
+def test_mooncakes_fallback_cut_from_decodes_bytes_is_the_client_body(seed, size):
+    """Mooncake keeps no parsed body for its recompute fallback: the client's body is
+    decode's bytes before the kv_transfer_params member, as serialise writes it,
+    whatever the body holds (its own nested kv_transfer_params keys, strings that
+    spell the member, odd values, a lone surrogate)."""
+    chooser = random.Random(seed)
+    body = client_body(size, chooser)
+    body["messages"] = [{"role": "user", "kv_transfer_params": {"x": 1},
+                         "content": ',"kv_transfer_params":{"a":"b"}}'}]
+    serialiser = leg_serialiser(body, len(serialise(body)))
+    plan = mooncake.plan(body, b"/v1/chat/completions", b"/v1/chat/completions",
+                         Endpoint(parse_endpoint("http://127.0.0.1:1")), "0", 'engine"0,',
+                         "127.0.0.1:8998", "xfer-1", serialise_leg=serialiser)
+    assert plan.client_body is None
+    assert plan.fallback_body() == serialise(body)
+    assert json.loads(plan.decode_body)["kv_transfer_params"]["remote_engine_id"] == 'engine"0,'
+
+
+def test_mooncakes_fallback_for_an_empty_body_and_bytes_of_another_shape():
+    plan = mooncake.plan({}, b"/v1/completions", b"/v1/completions",
+                         Endpoint(parse_endpoint("http://127.0.0.1:1")), "0", "e", "h:1", "x")
+    assert plan.client_body is None and plan.fallback_body() == b"{}"
+    assert mooncake.client_body_in(b'{"model":"m"}') is None
+    assert mooncake.client_body_in(b'{"model":{"kv_transfer_params":1}}') is None

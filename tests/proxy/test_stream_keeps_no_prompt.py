@@ -168,3 +168,36 @@ async def test_relay_waiting_for_decode_head_keeps_no_parsed_prompt():
         await decode.stop()
         demo.terminate()
         await demo.wait()
+
+
+async def test_mooncake_with_both_legs_running_keeps_no_parsed_prompt():
+    """Mooncake's recompute fallback is cut from decode's bytes: while decode's head is
+    awaited (prefill may still fail, and then decode gets the client's body), no
+    parsed prompt is kept."""
+    demo, info = await _demo()
+    decode = HeldLeg()
+    decode.answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"content-length: 2\r\nconnection: close\r\n\r\n{}")
+    try:
+        prefill = f"{info['prefill']}#bootstrap_port={info['bootstrap_port']}"
+        config = config_for(prefill, await decode.start(), kv_protocol="mooncake",
+                            mooncake_bootstrap_port=info["bootstrap_port"])
+        async with running_proxy(config) as proxy:
+            client = await Client.open(proxy.port)
+            try:
+                client.send("POST", "/v1/chat/completions", raw_body=_chat())
+                await asyncio.wait_for(decode.arrived.wait(), 10)
+                assert b'"transfer_id":' in decode.received
+                assert _prompt_dicts() == []
+                plans = [o for o in gc.get_objects() if type(o) is Plan]
+                assert len(plans) == 1 and plans[0].client_body is None
+                assert json.loads(plans[0].fallback_body()) == json.loads(_chat())
+                decode.release.set()
+                answer = await client.reply(timeout=10)
+                assert (answer.status, answer.body) == (200, b"{}")
+            finally:
+                client.close()
+    finally:
+        await decode.stop()
+        demo.terminate()
+        await demo.wait()
