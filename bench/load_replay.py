@@ -15,12 +15,23 @@ reference's, spread (max / mean prefill legs), wall time of the emulation.
 or one Placement: what the replicas' disagreement on each costs. ``--peers``
 shares as PD_PROXY_PEERS does (routing/peers.py): each replica's prefill
 choices reach the other's index at the next flush (every 20 ms), not at once.
+
+``--why`` (two replicas): before each choice, a copy of the other replica
+chooses for the same request, and where the two differ the cause is counted:
+their placements of the group differ (both placed it, apart, or only one did),
+their homes differ under one placement (each follows what it itself sent), or
+one spilled by its own counts. On the code issue 22 left (five seeds), the
+replicas are apart on 10-12% of chat's requests and 21-31% of few-shot's and
+mix's, in roughly equal parts placement, home and spill; half to 70% of the
+requests come before their group is placed at all (each replica routes about
+110 per trace and places every 32).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import dataclasses
 import heapq
 import itertools
@@ -60,9 +71,10 @@ FLUSH_SECONDS = 0.02  # routing/peers.py
 
 
 def replay(name: str, prefills: int, replicas: int, seed: int, share_index: bool = False,
-           share_placement: bool = False, peers: bool = False, flush: float = FLUSH_SECONDS
-           ) -> tuple[float, float, float, float]:
-    """(hit rate, spread, wall seconds, the one-big-cache reference's hit rate)."""
+           share_placement: bool = False, peers: bool = False, flush: float = FLUSH_SECONDS,
+           why: collections.Counter | None = None) -> tuple[float, float, float, float]:
+    """(hit rate, spread, wall seconds, the one-big-cache reference's hit rate);
+    ``why``: counts of what the two replicas disagree on (``--why``)."""
     conversations = trace(name, seed)
     config = dataclasses.replace(Config(), prefix_cache_tokens=BLOCKS * 16)
     endpoints = [parse_endpoint(f"http://127.0.0.1:{9000 + i}") for i in range(prefills)]
@@ -117,7 +129,15 @@ def replay(name: str, prefills: int, replicas: int, seed: int, share_index: bool
             sent.append((conversation.path, body))
             surface = "chat" if conversation.path.endswith("/chat/completions") else "completions"
             blocks = router.blocks(surface, json.loads(body))
-            endpoint, cost, _ = router.choose_prefill(endpoints, blocks)
+            other = None
+            if why is not None and replicas == 2 and blocks.chain:
+                other = _other_choice(routers[1 - routers.index(router)], endpoints, blocks)
+            endpoint, cost, reason = router.choose_prefill(endpoints, blocks)
+            if other is not None:
+                why["requests"] += 1
+                why["unplaced"] += blocks.first not in router.placement.homes
+                why["spilled"] += reason == "load"
+                why[_disagreement(router, endpoint.label, reason, blocks.first, *other)] += 1
             index = endpoints.index(endpoint)
             legs[index] += 1
             queues[index].append((conversation, turn, router, cost,
@@ -167,6 +187,31 @@ def replay(name: str, prefills: int, replicas: int, seed: int, share_index: bool
             reference_hit_rate(sent, BLOCKS * prefills))
 
 
+def _other_choice(other: CacheRouter, endpoints: list, blocks: Any
+                  ) -> tuple[str, str, tuple[str, ...]]:
+    """What ``other`` would choose for this request, from a copy (its state is left
+    alone; the endpoints, the config and the reports are shared, not copied):
+    (label, reason, its placed homes of the group)."""
+    memo = {id(item): item for item in (*endpoints, other.engine)}
+    twin = copy.deepcopy(other, memo)
+    endpoint, _, reason = twin.choose_prefill(endpoints, blocks)
+    return endpoint.label, reason, twin.placement.homes.get(blocks.first, ())
+
+
+def _disagreement(router: CacheRouter, label: str, reason: str, first: int,
+                  other_label: str, other_reason: str, other_homes: tuple[str, ...]) -> str:
+    if label == other_label:
+        return "same choice"
+    homes = router.placement.homes.get(first, ())
+    if homes != other_homes:
+        return "placement: both placed, apart" if homes and other_homes \
+            else "placement: one placed"
+    spilled = (reason == "load") + (other_reason == "load")
+    if not spilled:
+        return "home: what each sent"
+    return "spill: both, elsewhere" if spilled == 2 else "spill: one"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", default="22,5,7,11,13", help="trace seeds, comma-separated")
@@ -175,6 +220,8 @@ def main() -> None:
     parser.add_argument("--peers", action="store_true", help="share as PD_PROXY_PEERS does")
     parser.add_argument("--flush", type=float, default=FLUSH_SECONDS,
                         help="--peers: seconds between batches")
+    parser.add_argument("--why", action="store_true",
+                        help="two replicas: count what they disagree on")
     args = parser.parse_args()
     seeds = [int(seed) for seed in args.seeds.split(",")]
     print(f"replay: {IN_FLIGHT} in flight, {BLOCKS} blocks per prefill, seeds {args.seeds}; "
@@ -182,9 +229,11 @@ def main() -> None:
     for name in ("chat", "few-shot", "mix"):
         for prefills in (2, 4):
             line = f"{name:<9}{prefills}"
+            why: collections.Counter = collections.Counter()
             for replicas in (1, 2):
                 runs = [replay(name, prefills, replicas, seed, args.share_index,
-                               args.share_placement, args.peers, args.flush)
+                               args.share_placement, args.peers, args.flush,
+                               why if args.why else None)
                         for seed in seeds]
                 gaps = [hit - reference for hit, _, _, reference in runs]
                 line += (f" | {replicas} replica{'s' if replicas > 1 else ' '}: "
@@ -192,6 +241,13 @@ def main() -> None:
                          f"{statistics.mean(run[1] for run in runs):.2f} wall "
                          f"{statistics.mean(run[2] for run in runs):.2f}")
             print(line, flush=True)
+            if args.why:
+                total = max(1, why.pop("requests", 0))
+                context = f"; group not placed {why.pop('unplaced', 0) / total:.0%}, " \
+                    f"spilled {why.pop('spilled', 0) / total:.0%}"
+                print(f"    two replicas apart on {1 - why.pop('same choice', 0) / total:.0%}: "
+                      + ", ".join(f"{cause} {count / total:.1%}" for cause, count in sorted(
+                          why.items(), key=lambda item: -item[1])) + context, flush=True)
 
 
 if __name__ == "__main__":
