@@ -10,9 +10,11 @@ this one, a stream left open while the heap is searched for the prompt's message
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import sys
+from typing import AsyncIterator
 
 import pytest
 
@@ -137,61 +139,27 @@ async def test_relay_waiting_for_prefill_keeps_no_parsed_prompt_and_falls_back_t
         await demo.wait()
 
 
-async def test_relay_waiting_for_decode_head_keeps_no_parsed_prompt():
-    """Once decode's body is made, neither the parsed prompt nor prefill's body is
-    kept while decode's response head is awaited."""
-    demo, info = await _demo()
-    decode = HeldLeg()
-    decode.answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                     b"content-length: 2\r\nconnection: close\r\n\r\n{}")
-    try:
-        config = config_for(info["prefill"], await decode.start(), kv_protocol="relay")
-        async with running_proxy(config) as proxy:
-            client = await Client.open(proxy.port)
-            try:
-                client.send("POST", "/v1/chat/completions", raw_body=_chat())
-                await asyncio.wait_for(decode.arrived.wait(), 10)
-                assert b'"kv_transfer_params":' in decode.received
-                assert _prompt_dicts() == []
-                # Nor prefill's body, nor the client's encoding (bytes: not tracked by
-                # the collector, so the plan that held them is looked at).
-                plans = [o for o in gc.get_objects() if type(o) is Plan]
-                assert len(plans) == 1
-                assert (plans[0].prefill_body, plans[0].decode_body_for,
-                        plans[0].fallback, plans[0].client_body) == (b"", None, None, None)
-                decode.release.set()
-                answer = await client.reply(timeout=10)
-                assert (answer.status, answer.body) == (200, b"{}")
-            finally:
-                client.close()
-    finally:
-        await decode.stop()
-        demo.terminate()
-        await demo.wait()
+DECODE_ANSWER = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                 b"content-length: 2\r\nconnection: close\r\n\r\n{}")
 
 
-async def test_mooncake_with_both_legs_running_keeps_no_parsed_prompt():
-    """Mooncake's recompute fallback is cut from decode's bytes: while decode's head is
-    awaited (prefill may still fail, and then decode gets the client's body), no
-    parsed prompt is kept."""
+@contextlib.asynccontextmanager
+async def _decode_held(kv_protocol: str) -> AsyncIterator[HeldLeg]:
+    """A request through the proxy whose decode leg is held while the body runs; then
+    decode answers, and the client gets that answer."""
     demo, info = await _demo()
     decode = HeldLeg()
-    decode.answer = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
-                     b"content-length: 2\r\nconnection: close\r\n\r\n{}")
+    decode.answer = DECODE_ANSWER
     try:
         prefill = f"{info['prefill']}#bootstrap_port={info['bootstrap_port']}"
-        config = config_for(prefill, await decode.start(), kv_protocol="mooncake",
+        config = config_for(prefill, await decode.start(), kv_protocol=kv_protocol,
                             mooncake_bootstrap_port=info["bootstrap_port"])
         async with running_proxy(config) as proxy:
             client = await Client.open(proxy.port)
             try:
                 client.send("POST", "/v1/chat/completions", raw_body=_chat())
                 await asyncio.wait_for(decode.arrived.wait(), 10)
-                assert b'"transfer_id":' in decode.received
-                assert _prompt_dicts() == []
-                plans = [o for o in gc.get_objects() if type(o) is Plan]
-                assert len(plans) == 1 and plans[0].client_body is None
-                assert json.loads(plans[0].fallback_body()) == json.loads(_chat())
+                yield decode
                 decode.release.set()
                 answer = await client.reply(timeout=10)
                 assert (answer.status, answer.body) == (200, b"{}")
@@ -201,3 +169,34 @@ async def test_mooncake_with_both_legs_running_keeps_no_parsed_prompt():
         await decode.stop()
         demo.terminate()
         await demo.wait()
+
+
+def _the_plan() -> Plan:
+    plans = [o for o in gc.get_objects() if type(o) is Plan]
+    assert len(plans) == 1
+    return plans[0]
+
+
+async def test_relay_waiting_for_decode_head_keeps_no_parsed_prompt():
+    """Once decode's body is made, neither the parsed prompt nor prefill's body is
+    kept while decode's response head is awaited."""
+    async with _decode_held("relay") as decode:
+        assert b'"kv_transfer_params":' in decode.received
+        assert _prompt_dicts() == []
+        # Nor prefill's body, nor the client's encoding (bytes: not tracked by the
+        # collector, so the plan that held them is looked at).
+        plan = _the_plan()
+        assert (plan.prefill_body, plan.decode_body_for, plan.fallback, plan.client_body) \
+            == (b"", None, None, None)
+
+
+async def test_mooncake_with_both_legs_running_keeps_no_parsed_prompt():
+    """Mooncake's recompute fallback is cut from decode's bytes: while decode's head is
+    awaited (prefill may still fail, and then decode gets the client's body), no
+    parsed prompt is kept."""
+    async with _decode_held("mooncake") as decode:
+        assert b'"transfer_id":' in decode.received
+        assert _prompt_dicts() == []
+        plan = _the_plan()
+        assert plan.client_body is None
+        assert json.loads(plan.fallback_body()) == json.loads(_chat())
