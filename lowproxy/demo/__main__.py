@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 from typing import Any
 
 from .backend import DemoBackend, start_pair
@@ -40,15 +41,24 @@ async def serve(args: argparse.Namespace) -> None:
         info = {args.role: backend.url}
         if args.role == "prefill":
             info["bootstrap_port"] = backend.bootstrap_port
+    # SIGINT and SIGTERM stop it, handled here rather than left to Python's
+    # KeyboardInterrupt: a process started from a non-interactive shell's
+    # background job inherits SIGINT ignored, and Python then installs no
+    # handler, so ^C (or bench/load.py's stop) would be waited out. In before the
+    # line that says it listens: whoever reads that line may signal at once.
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for number in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(number, stop.set)
     print(json.dumps(info), flush=True)
-    await asyncio.Event().wait()
+    await stop.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
     try:
         asyncio.run(serve(args))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # a SIGINT before the handlers are in
         pass
 
 

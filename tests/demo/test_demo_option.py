@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -85,3 +89,27 @@ def test_the_demo_backends_key_is_not_in_the_config_repr():
     config, _ = load_config(["--demo", "--demo-args=--api-key demo-secret-1"], {})
     assert config.demo_args == ("--api-key", "demo-secret-1")
     assert "demo-secret-1" not in repr(config)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a non-interactive shell's `&` does
+
+
+@pytest.mark.parametrize("number", [signal.SIGINT, signal.SIGTERM])
+def test_the_demo_backends_stop_on_a_signal_even_with_sigint_ignored_at_start(number):
+    """``python -m lowproxy.demo`` started from a background job inherits SIGINT
+    ignored (and Python then installs no KeyboardInterrupt); it handles SIGINT and
+    SIGTERM itself, so bench/load.py's stop is not waited out for 10 s."""
+    demo = subprocess.Popen([sys.executable, "-m", "lowproxy.demo"], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, preexec_fn=_ignore_sigint)
+    try:
+        assert demo.stdout is not None
+        assert "decode" in json.loads(demo.stdout.readline())
+        demo.send_signal(number)
+        assert demo.wait(5) == 0
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        if demo.stdout is not None:
+            demo.stdout.close()
