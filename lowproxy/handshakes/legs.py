@@ -228,10 +228,11 @@ class Plan:
     Decode only when ``prefill`` is None. Otherwise the prefill leg goes to
     ``prefill`` and decode gets ``decode_body`` at the same time
     (``concurrent``), or, in turn, the body ``decode_body_for`` makes from
-    prefill's ``kv_transfer_params``. ``client_body`` (or ``fallback``) is kept for the
-    recompute fallback (decode computes the prompt itself); ``prefill_failure``
-    says the prefill leg failed before it could be sent (no endpoint, no
-    bootstrap map), so dispatch applies the failure policy at once.
+    prefill's ``kv_transfer_params``. ``client_body``, or ``fallback`` where only
+    the body's bytes are kept, gives the recompute fallback (decode computes the
+    prompt itself); ``prefill_failure`` says the prefill leg failed before it
+    could be sent (no endpoint, no bootstrap map), so dispatch applies the
+    failure policy at once.
     """
 
     method: bytes
@@ -263,11 +264,12 @@ class Plan:
         return serialise(self.client_body if self.client_body is not None else {})
 
     def decode_body_made(self) -> None:
-        """Relay's decode body is made: the parsed client body, both legs' bodies and
-        the prepared encoding are not needed any more. Let go of them, so that a
-        request waiting for decode's response head (a connect storm of new streams
-        keeps thousands waiting at once) holds no prompt; the peak of those waits
-        is what the process's memory keeps (pymalloc's arenas stay mapped)."""
+        """Relay's decode body is made: both legs' bodies, the prepared encoding (the
+        fallback's too) and any parsed client body are not needed any more. Let go of
+        them, so that a request waiting for decode's response head (a connect storm
+        of new streams keeps thousands waiting at once) holds no prompt; the peak of
+        those waits is what the process's memory keeps (pymalloc's arenas stay
+        mapped)."""
         self.client_body = None
         self.prefill_body = b""
         self.decode_body_for = None
