@@ -125,9 +125,6 @@ class TextFormatter(logging.Formatter):
 # one write; a daemon that stops writes what is pending (flush_access).
 ACCESS_FLUSH_SECONDS = 0.05
 ACCESS_BATCH_LINES = 64
-# A wait for a backend writes the batch once its first line is this old: one
-# write for the lines of several requests, not one for each.
-ACCESS_WAIT_SECONDS = 0.005
 
 
 class _AccessWriter:
@@ -196,10 +193,7 @@ class _AccessWriter:
             self._timer = loop.call_later(ACCESS_FLUSH_SECONDS, self._timed_flush)
 
     def write_pending(self) -> None:
-        """While a backend computes: a batch whose first line is ACCESS_WAIT_SECONDS
-        old goes out (under load, many lines a write; at concurrency 1, a few)."""
-        pending = self._pending
-        if pending and time.time() - pending[0][0] >= ACCESS_WAIT_SECONDS:
+        if self._pending:
             self.flush()
 
     def _timed_flush(self) -> None:
