@@ -148,7 +148,6 @@ async def serve(config: Config, listeners: Listeners, ready: asyncio.Future[int]
     if demo is not None:
         for backend in demo:
             await backend.close()
-    logs.flush_access()  # before the last line, in the order the requests ended
     log.info("drained; exiting")
     return 0
 
@@ -228,7 +227,6 @@ def _run(config: Config, listeners: Listeners, share: MetricsShare | None = None
     try:
         return loop.run_until_complete(serve(config, listeners, share=share, worker=worker))
     finally:
-        logs.flush_access()  # the lines of the last requests, still in their batch
         try:
             loop.run_until_complete(loop.shutdown_asyncgens())
         finally:

@@ -118,25 +118,12 @@ class TextFormatter(logging.Formatter):
         return text
 
 
-# Access lines wait at most this long, and at most this many, before they are
-# formatted and written: a request's line is off its connection's path, so the
-# client's next request on it does not wait behind it (issue 21: at concurrency
-# 1 the line cost the next request about 0.1 ms). Lines of a batch go out in
-# one write; a daemon that stops writes what is pending (flush_access).
-ACCESS_FLUSH_SECONDS = 0.05
-ACCESS_BATCH_LINES = 64
-
-
 class _AccessWriter:
-    """Writes access lines straight to the daemon's log stream, in batches.
+    """Writes access lines straight to the daemon's log stream.
 
     The access line is the one log line every request pays for; a LogRecord
     (caller lookup, basename, a handler lock, a formatter) costs more than the
     rest of the line. Same format as the other lines; set up by configure().
-    ``write`` keeps the fields and the time; the line is made when the batch
-    is written: after ACCESS_FLUSH_SECONDS, once ACCESS_BATCH_LINES are
-    pending, or earlier when the proxy waits for a backend anyway
-    (``write_pending``, the upstream pool's wait hook).
     """
 
     def __init__(self, stream: Any, json_format: bool, worker: int | None = None) -> None:
@@ -146,11 +133,11 @@ class _AccessWriter:
         self._prefix = "" if worker is None else f"worker={worker} "
         self._second = -1
         self._stamp = ""
-        self._pending: list[tuple[float, dict[str, Any]]] = []
-        self._timer: asyncio.TimerHandle | None = None
+        self._lines: list[str] = []
         self._loop: asyncio.AbstractEventLoop | None = None
 
-    def _time(self, now: float) -> str:
+    def _time(self) -> str:
+        now = time.time()
         second = int(now)
         if second != self._second:
             self._second = second
@@ -161,54 +148,36 @@ class _AccessWriter:
         return (f"{self._stamp}.{millis:03d}Z" if self.json_format
                 else f"{self._stamp},{millis:03d}")
 
-    def _line(self, now: float, fields: dict[str, Any]) -> str:
+    def write(self, fields: dict[str, Any]) -> None:
         if self.json_format:
-            entry: dict[str, Any] = {"time": self._time(now), "level": "info",
+            entry: dict[str, Any] = {"time": self._time(), "level": "info",
                                      "logger": access_log.name,
                                      "message": f"{fields['method']} {fields['path']} "
                                                 f"{fields['status']}"}
             if self.worker is not None:
                 entry["worker"] = self.worker
             entry.update(fields)
-            return _JSON_LINE.encode(entry)
-        return f"{self._time(now)} INFO [{access_log.name}] {self._prefix}{text_fields(fields)}"
-
-    def write(self, fields: dict[str, Any]) -> None:
-        """Keep a line's fields (the caller's own dict, not changed after) and its time."""
-        pending = self._pending
-        pending.append((time.time(), fields))
-        if len(pending) >= ACCESS_BATCH_LINES:
-            self.flush()
+            line = _JSON_LINE.encode(entry)
         else:
+            line = f"{self._time()} INFO [{access_log.name}] {self._prefix}{text_fields(fields)}"
+        self._lines.append(line)
+        if len(self._lines) == 1:
+            # Lines of one event-loop turn go out in one write, after the turn. The
+            # loop is remembered: asyncio.get_running_loop() costs a getpid() system
+            # call on 3.11, once per request here.
             loop = self._loop
-            if self._timer is not None and loop is not None and loop.is_running():
-                return  # the batch's timer is armed
-            # A timer is armed once per batch, and the loop looked up then:
-            # asyncio.get_running_loop() costs a getpid() system call on 3.11.
-            try:
-                loop = self._loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop running (or the one that armed it closed)
-                self.flush()
-                return
-            self._timer = loop.call_later(ACCESS_FLUSH_SECONDS, self._timed_flush)
-
-    def write_pending(self) -> None:
-        if self._pending:
-            self.flush()
-
-    def _timed_flush(self) -> None:
-        self._timer = None
-        self.flush()
+            if loop is None or not loop.is_running():
+                try:
+                    loop = self._loop = asyncio.get_running_loop()
+                except RuntimeError:  # no loop running: write now
+                    self.flush()
+                    return
+            loop.call_soon(self.flush)
 
     def flush(self) -> None:
-        # A timer still armed is left to fire on an empty batch: cancelling it and
-        # arming another per batch would cost a timer per request under load.
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
+        lines, self._lines = self._lines, []
         try:
-            self.stream.write("\n".join([self._line(now, fields) for now, fields in pending])
-                              + "\n")
+            self.stream.write("\n".join(lines) + "\n")
             self.stream.flush()
         except (OSError, ValueError):  # a closed stderr must not fail requests
             pass
@@ -262,19 +231,6 @@ def warn(logger: logging.Logger, message: str, request_id: str | None = None,
 def access_enabled() -> bool:
     """Whether an access line would be written: callers build its fields only then."""
     return access_log.isEnabledFor(logging.INFO)
-
-
-def write_pending_access() -> None:
-    """Write the access lines waiting for their batch: called while the proxy waits for a
-    backend's answer, when the work delays no one."""
-    if _writer is not None:
-        _writer.write_pending()
-
-
-def flush_access() -> None:
-    """Write every pending access line now (a stopping daemon, a worker's end)."""
-    if _writer is not None:
-        _writer.flush()
 
 
 def access(fields: dict[str, Any]) -> None:

@@ -71,7 +71,6 @@ class Proxy:
         if config.ca_file:
             self.trust.context()  # a missing or unusable bundle stops the start
         self.upstream = Upstream(config, self.trust)
-        self.upstream.on_wait = logs.write_pending_access  # off the next request's path
         counted = (self.metrics.endpoint_requests, self.metrics.endpoint_failures)
         self.prefill = BackendGroup("prefill", config.prefill, *counted)
         self.decode = BackendGroup("decode", config.decode, *counted)

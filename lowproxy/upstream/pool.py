@@ -211,9 +211,6 @@ class Upstream:
         self.config = config
         self.trust = trust
         self.backend = AsyncioBackend()
-        # Work that can wait for a backend's answer and delays no one while it does
-        # (the proxy's pending access lines): run as each request starts waiting.
-        self.on_wait: Callable[[], None] | None = None
 
     # -- one exchange
 
@@ -288,8 +285,6 @@ class Upstream:
             if not head.done:
                 if while_waiting is not None:
                     while_waiting()
-                if self.on_wait is not None:
-                    self.on_wait()
                 await head.wait()
             if not head.final:
                 error = head.error

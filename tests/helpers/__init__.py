@@ -176,16 +176,12 @@ def free_port() -> int:
 class Daemon:
     """``python -m lowproxy`` as a child process, for start-up, signals and exit codes."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None,
-                 code: str | None = None) -> None:
-        """``code``: run by ``python -c`` instead of ``-m lowproxy`` (a module setting
-        changed before the daemon's main)."""
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
         full_env = {k: v for k, v in os.environ.items()
                     if not k.startswith(("PD_PROXY_", "ADMIN_API_KEY"))}
         full_env.update(env or {})
         full_env.setdefault("PYTHONPATH", ROOT)
-        command = ["-m", "lowproxy"] if code is None else ["-c", code]
-        self.proc = subprocess.Popen([sys.executable, *command, *args], env=full_env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "lowproxy", *args], env=full_env,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
         self.port = 0
         self.lines: list[str] = []

@@ -12,6 +12,7 @@ import socket
 from helpers import CHAT, Daemon, chat, pd_setup, request
 from lowproxy import __version__
 from lowproxy.demo import start_pair
+from lowproxy.observability.logs import _AccessWriter
 
 BASE = {"PD_PROXY_HOST": "127.0.0.1", "PD_PROXY_PORT": "0", "PD_PROXY_LOOP": "asyncio",
         "PD_PROXY_HEALTH_INTERVAL_SECONDS": "0"}
@@ -95,3 +96,35 @@ def test_start_errors_are_one_json_line_under_json_logs():
             assert entry["level"] == "error" and entry["exit_status"] == 2
             setting = "PD_PROXY_PORT" if "PD_PROXY_PORT" in env else "PD_PROXY_DRAIN_SECONDS"
             assert setting in entry["message"]
+
+
+def test_access_lines_of_one_loop_turn_go_out_in_one_write_on_each_loop_in_turn():
+    """The writer remembers the running loop (3.11's get_running_loop costs a getpid()
+    each call): lines written under a later loop still go out, and without a loop at once."""
+    class Stream:
+        def __init__(self) -> None:
+            self.writes: list[str] = []
+
+        def write(self, text: str) -> None:
+            self.writes.append(text)
+
+        def flush(self) -> None:
+            pass
+
+    stream = Stream()
+    writer = _AccessWriter(stream, json_format=False)
+
+    async def two_lines(tag: str) -> None:
+        writer.write({"request_id": f"{tag}-1"})
+        writer.write({"request_id": f"{tag}-2"})
+        assert not any(tag in text for text in stream.writes)  # not yet: after the turn
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    asyncio.run(two_lines("first"))
+    asyncio.run(two_lines("second"))  # a new loop: the remembered one is closed
+    writer.write({"request_id": "no-loop"})  # none running: written at once
+    assert len(stream.writes) == 3
+    assert "request_id=first-1" in stream.writes[0] and "request_id=first-2" in stream.writes[0]
+    assert "request_id=second-1" in stream.writes[1] and "request_id=second-2" in stream.writes[1]
+    assert "request_id=no-loop" in stream.writes[2]

@@ -19,8 +19,6 @@ import select
 
 from helpers import RawServer, read_request
 from lowproxy.config import Config, parse_endpoint
-from lowproxy.observability import logs
-from lowproxy.proxy.handler import Proxy
 from lowproxy.tls import TrustStore
 from lowproxy.upstream import Endpoint, Upstream
 
@@ -147,31 +145,3 @@ async def test_while_waiting_runs_once_the_request_is_sent_and_before_its_answer
     finally:
         upstream.close_idle(endpoint)
         await backend.close()
-
-
-async def test_on_wait_runs_while_each_request_waits_for_its_answer() -> None:
-    """Upstream.on_wait (the proxy's pending access lines): called once per request,
-    after it is sent and before the backend answers, so the work there delays no one.
-    The proxy installs the access log's writer there."""
-    backend = await AnswersWhenReleased().start()
-    spec = parse_endpoint(backend.url)
-    upstream = Upstream(Config(decode=(spec,)), TrustStore(None))
-    endpoint = Endpoint(spec)
-    calls: list[int] = []
-
-    def on_wait() -> None:
-        calls.append(backend.received)
-        backend.release.set()  # without this call the backend never answers
-
-    upstream.on_wait = on_wait
-    try:
-        for _ in range(2):
-            response = await asyncio.wait_for(
-                upstream.request(endpoint, b"POST", b"/v1/x", [], b"{}"), 5)
-            assert await response.read(1 << 20) == b"ok"
-            await response.aclose()
-        assert len(calls) == 2
-    finally:
-        upstream.close_idle(endpoint)
-        await backend.close()
-    assert Proxy(Config(decode=(spec,))).upstream.on_wait is logs.write_pending_access
