@@ -147,3 +147,18 @@ def test_bench_options_parse():
     for bad in (["--loop", "trio"], ["--scenario", "nope"], ["--repeat", "0"]):
         with pytest.raises(SystemExit):
             load.parse_args(bad)
+
+
+def test_floor_proxy_answers_every_request_plain_and_streamed():
+    """bench/floor_proxy.py, the yardstick of issue 21 (the brief's constraints with no
+    feature at all), works as a relay in the bench: both legs made, decode's answer
+    spliced to the client, every request answered without an error (a malformed or
+    truncated answer, or a prefill answer without its KV fields, is one), plain and
+    streamed, at 1 and 8 in flight, on keep-alive connections."""
+    run = bench("--scenario", "chat,latency,stream", "--requests", "60", "--warmup", "0.1",
+                "--concurrency", "8", "--stream-chunks", "4", "--loop", "asyncio",
+                "--proxy-cmd", f"{sys.executable} {os.path.join(BENCH, 'floor_proxy.py')}")
+    rows = {(row[0], row[1]): row for row in table_rows(run.stdout)}
+    for scenario in ("chat", "latency", "stream"):
+        assert int(rows[(scenario, "proxy")][3]) >= 60, run.stdout  # those in flight end too
+        assert rows[(scenario, "proxy")][-1] == "0", run.stdout  # none refused or malformed
