@@ -12,7 +12,10 @@ the timing differ each run). Figures: hit rate minus the one-big-cache
 reference's, spread (max / mean prefill legs), wall time of the emulation.
 
 ``--share-index`` and ``--share-placement`` give the replicas one PrefixIndex
-or one Placement: what the replicas' disagreement on each costs. ``--peers``
+or one Placement: what the replicas' disagreement on each costs.
+``--share-all`` gives them one of everything a choice reads (the index, the
+placement, the queued work and legs, and every engine report at once): an
+oracle no deployment has, the most that sharing could buy. ``--peers``
 shares as PD_PROXY_PEERS does (routing/peers.py): each replica's prefill
 choices reach the other's index at the next flush (every 20 ms), not at once.
 
@@ -72,7 +75,8 @@ FLUSH_SECONDS = 0.02  # routing/peers.py
 
 def replay(name: str, prefills: int, replicas: int, seed: int, share_index: bool = False,
            share_placement: bool = False, peers: bool = False, flush: float = FLUSH_SECONDS,
-           why: collections.Counter | None = None) -> tuple[float, float, float, float]:
+           why: collections.Counter | None = None, share_all: bool = False
+           ) -> tuple[float, float, float, float]:
     """(hit rate, spread, wall seconds, the one-big-cache reference's hit rate);
     ``why``: counts of what the two replicas disagree on (``--why``)."""
     conversations = trace(name, seed)
@@ -87,10 +91,13 @@ def replay(name: str, prefills: int, replicas: int, seed: int, share_index: bool
             router.shared = lambda label, chain, outbox=outbox: outbox.append((label, chain))
     for router in routers:
         router.prune("prefill", endpoints)
-        if share_index:
+        if share_index or share_all:
             router.prefills = routers[0].prefills
-        if share_placement:
+        if share_placement or share_all:
             router.placement = routers[0].placement
+        if share_all:
+            router.queued, router.legs = routers[0].queued, routers[0].legs
+            router.engine = routers[0].engine
     caches = [PrefixCache(16, BLOCKS) for _ in endpoints]
     queues: list[collections.deque] = [collections.deque() for _ in endpoints]
     busy = [False] * prefills
@@ -217,6 +224,8 @@ def main() -> None:
     parser.add_argument("--seeds", default="22,5,7,11,13", help="trace seeds, comma-separated")
     parser.add_argument("--share-index", action="store_true")
     parser.add_argument("--share-placement", action="store_true")
+    parser.add_argument("--share-all", action="store_true",
+                        help="one of everything a choice reads (an oracle)")
     parser.add_argument("--peers", action="store_true", help="share as PD_PROXY_PEERS does")
     parser.add_argument("--flush", type=float, default=FLUSH_SECONDS,
                         help="--peers: seconds between batches")
@@ -233,7 +242,7 @@ def main() -> None:
             for replicas in (1, 2):
                 runs = [replay(name, prefills, replicas, seed, args.share_index,
                                args.share_placement, args.peers, args.flush,
-                               why if args.why else None)
+                               why if args.why else None, args.share_all)
                         for seed in seeds]
                 gaps = [hit - reference for hit, _, _, reference in runs]
                 line += (f" | {replicas} replica{'s' if replicas > 1 else ' '}: "
