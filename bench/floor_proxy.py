@@ -189,8 +189,7 @@ class Floor:
         await self.exchange(self.decode, target, json.dumps(
             dict(body, kv_transfer_params=kv), separators=(",", ":")).encode(), to_client)
         # The client's h11 believes no body was sent: a fresh state for the next request.
-        state = h11.Connection(h11.SERVER)
-        return state
+        return h11.Connection(h11.SERVER)
 
 
 async def main() -> None:
