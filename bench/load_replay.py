@@ -19,6 +19,13 @@ oracle no deployment has, the most that sharing could buy. ``--peers``
 shares as PD_PROXY_PEERS does (routing/peers.py): each replica's prefill
 choices reach the other's index at the next flush (every 20 ms), not at once.
 
+``--labels K`` replays each seed over K sets of prefill labels (set 0 is
+127.0.0.1:9000 and up, as before; set k has other ports, so other rendezvous
+orders): over real sockets the ports, so the orders, differ every run, and a
+cell's figure moves with them (bench/load_prefix.py's runs differ by up to 10
+points), so a change is judged over several sets, not on the one lucky or
+unlucky order of set 0.
+
 ``--why`` (two replicas): before each choice, a copy of the other replica
 chooses for the same request, and where the two differ the cause is counted:
 their placements of the group differ (both placed it, apart, or only one did),
@@ -75,13 +82,13 @@ FLUSH_SECONDS = 0.02  # routing/peers.py
 
 def replay(name: str, prefills: int, replicas: int, seed: int, share_index: bool = False,
            share_placement: bool = False, peers: bool = False, flush: float = FLUSH_SECONDS,
-           why: collections.Counter | None = None, share_all: bool = False
-           ) -> tuple[float, float, float, float]:
+           why: collections.Counter | None = None, share_all: bool = False,
+           labels: int = 0) -> tuple[float, float, float, float]:
     """(hit rate, spread, wall seconds, the one-big-cache reference's hit rate);
     ``why``: counts of what the two replicas disagree on (``--why``)."""
     conversations = trace(name, seed)
     config = dataclasses.replace(Config(), prefix_cache_tokens=BLOCKS * 16)
-    endpoints = [parse_endpoint(f"http://127.0.0.1:{9000 + i}") for i in range(prefills)]
+    endpoints = [parse_endpoint(f"http://127.0.0.1:{port}") for port in ports(labels, prefills)]
     if peers:  # the keys every process computes alike, as with PD_PROXY_PEERS
         config = dataclasses.replace(config, peers=(parse_endpoint("http://127.0.0.1:1"),))
     routers = [CacheRouter(config, Reports()) for _ in range(replicas)]  # type: ignore[arg-type]
@@ -194,6 +201,11 @@ def replay(name: str, prefills: int, replicas: int, seed: int, share_index: bool
             reference_hit_rate(sent, BLOCKS * prefills))
 
 
+def ports(labels: int, prefills: int) -> list[int]:
+    """The prefill ports of label set ``labels`` (``--labels``): 9000 and up for set 0."""
+    return [9000 + 1000 * labels + i * (1 + 6 * labels) for i in range(prefills)]
+
+
 def _other_choice(other: CacheRouter, endpoints: list, blocks: Any
                   ) -> tuple[str, str, tuple[str, ...]]:
     """What ``other`` would choose for this request, from a copy (its state is left
@@ -229,11 +241,15 @@ def main() -> None:
     parser.add_argument("--peers", action="store_true", help="share as PD_PROXY_PEERS does")
     parser.add_argument("--flush", type=float, default=FLUSH_SECONDS,
                         help="--peers: seconds between batches")
+    parser.add_argument("--labels", type=int, default=1,
+                        help="sets of prefill labels (ports) each seed is replayed over")
     parser.add_argument("--why", action="store_true",
                         help="two replicas: count what they disagree on")
     args = parser.parse_args()
     seeds = [int(seed) for seed in args.seeds.split(",")]
-    print(f"replay: {IN_FLIGHT} in flight, {BLOCKS} blocks per prefill, seeds {args.seeds}; "
+    sets = range(max(1, args.labels))
+    print(f"replay: {IN_FLIGHT} in flight, {BLOCKS} blocks per prefill, seeds {args.seeds}"
+          f"{f', {len(sets)} label sets' if len(sets) > 1 else ''}; "
           "hit rate minus the reference's (mean, worst), spread (mean), wall s (mean)")
     for name in ("chat", "few-shot", "mix"):
         for prefills in (2, 4):
@@ -242,8 +258,8 @@ def main() -> None:
             for replicas in (1, 2):
                 runs = [replay(name, prefills, replicas, seed, args.share_index,
                                args.share_placement, args.peers, args.flush,
-                               why if args.why else None, args.share_all)
-                        for seed in seeds]
+                               why if args.why else None, args.share_all, labels)
+                        for seed in seeds for labels in sets]
                 gaps = [hit - reference for hit, _, _, reference in runs]
                 line += (f" | {replicas} replica{'s' if replicas > 1 else ' '}: "
                          f"{statistics.mean(gaps):+6.1%} worst {min(gaps):+6.1%} spread "

@@ -162,3 +162,18 @@ def test_floor_proxy_answers_every_request_plain_and_streamed():
     for scenario in ("chat", "latency", "stream"):
         assert int(rows[(scenario, "proxy")][3]) >= 60, run.stdout  # those in flight end too
         assert rows[(scenario, "proxy")][-1] == "0", run.stdout  # none refused or malformed
+
+
+def test_replay_label_sets_give_other_orders_and_the_same_figures_each_time():
+    """bench/load_replay.py --labels: set 0 is the ports the replay always used, other
+    sets other ports (so other rendezvous orders and other figures, as a run over real
+    sockets has), and a replay stays deterministic (the tool's whole point)."""
+    import load_replay  # noqa: PLC0415 - bench/ is on the pytest pythonpath
+    assert load_replay.ports(0, 4) == [9000, 9001, 9002, 9003]
+    sets = [load_replay.ports(labels, 4) for labels in range(3)]
+    assert all(len(set(ports)) == 4 for ports in sets)
+    assert len({port for ports in sets for port in ports}) == 12  # no port shared by two sets
+    first = load_replay.replay("mix", 4, 1, 7, labels=1)
+    assert first == load_replay.replay("mix", 4, 1, 7, labels=1)
+    assert 0.0 < first[0] < 1.0 and first[1] >= 1.0
+    assert first[0] != load_replay.replay("mix", 4, 1, 7, labels=0)[0]
