@@ -16,7 +16,8 @@ the order the first run of the cell sent them). The decode-first rows run the
 chat trace with PD_PROXY_DECODE_FIRST_TOKENS set: the share of turns served
 without a prefill leg and the prefill tokens saved. ``--peers``: 2 cache-aware
 replicas are each other's PD_PROXY_PEERS (they tell each other their prefill
-choices), to set beside the same cells without.
+choices), to set beside the same cells without. ``--workers N``: each proxy
+runs N workers (the connections, so the turns, land on whichever accepts).
 """
 
 from __future__ import annotations
@@ -311,13 +312,16 @@ def main() -> None:
     parser.add_argument("--no-decode-first", action="store_true")
     parser.add_argument("--peers", action="store_true",
                         help="2 cache-aware replicas are each other's PD_PROXY_PEERS")
+    parser.add_argument("--workers", type=int, default=1, help="workers per proxy")
     parser.add_argument("--repeat", type=int, default=1, help="medians of this many runs")
     parser.add_argument("--markdown", action="store_true", help="also the README's table")
     parser.add_argument("--choices", action="store_true", help="also the choice reasons")
     args = parser.parse_args()
     runs = []
     for _ in range(args.repeat):
-        runs.append(run([sys.executable, "-m", "lowproxy"], tuple(args.trace or TRACES),
+        command = [sys.executable, "-m", "lowproxy",
+                   *(["--workers", str(args.workers)] if args.workers > 1 else [])]
+        runs.append(run(command, tuple(args.trace or TRACES),
                         tuple(args.prefills or PREFILLS), tuple(args.replicas or REPLICAS),
                         tuple(args.router or ("cache-aware", "round-robin")),
                         not args.no_decode_first, args.peers))

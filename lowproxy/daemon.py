@@ -113,6 +113,8 @@ async def serve(config: Config, listeners: Listeners, ready: asyncio.Future[int]
     certificate = server_certificate(config) if config.tls_cert_file else None
     try:  # checked at start already; a file can still break before a worker starts
         proxy = Proxy(config)
+        if share is not None and worker is not None:
+            proxy.share_with_workers(share.directory, worker)
         context = certificate.context() if certificate is not None else None
     except TrustUnavailable as exc:
         log.error("cannot start: %s", exc)
@@ -342,11 +344,12 @@ def warn_unknown_variables(environ: Mapping[str, str]) -> None:
 
 
 def warn_peers_with_workers(config: Config) -> None:
-    """PD_PROXY_PEERS with --workers: each worker shares its own choices, but a batch
-    reaches one worker of each peer, and a replica's workers tell each other nothing."""
+    """PD_PROXY_PEERS with --workers: each worker tells the peers and its siblings its
+    own choices (routing/worker_share.py), but a peer's batch reaches one worker of each
+    replica, which does not pass it on."""
     if config.peers and config.workers > 1:
-        log.warning("PD_PROXY_PEERS with %d workers (PD_PROXY_WORKERS): each worker keeps "
-                    "its own prefix memory and a peer's batch reaches one of them; run one "
+        log.warning("PD_PROXY_PEERS with %d workers (PD_PROXY_WORKERS): a peer's batch "
+                    "reaches one of them, which does not pass it on to the others; run one "
                     "worker per replica for the sharing to cover it", config.workers)
 
 

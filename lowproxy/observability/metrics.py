@@ -257,6 +257,19 @@ class Metrics:
                              "1 for a peer that accepted its last batch, 0 once one failed.",
                              ("peer",))
         self.peers_on = False  # set with PD_PROXY_PEERS: the families above are exported
+        # --workers with cache-aware routing (routing/worker_share.py): prefill choices
+        # told to and by the daemon's other workers; summed over workers as all are.
+        self.worker_records_sent = Counter(
+            "lowproxy_worker_choices_sent_total",
+            "Prefill choices this daemon's workers told each other (one per sibling).")
+        self.worker_records_dropped = Counter(
+            "lowproxy_worker_choices_dropped_total",
+            "Prefill choices not told to a sibling worker (restarting, its buffer full, "
+            "or too many waiting for one flush).")
+        self.worker_records_received = Counter(
+            "lowproxy_worker_choices_received_total",
+            "Prefill choices recorded from sibling workers.")
+        self.worker_share_on = False  # set with --workers and cache-aware routing
         self.client_connections.set(0)
         self.in_flight.set(0)
         # (version, python, loop) of this process, set once its loop runs; the same
@@ -272,7 +285,9 @@ class Metrics:
                 self.cooldown, self.bootstrap_entries, self.tasks, self.endpoint_requests,
                 self.endpoint_failures, self.endpoint_health, self.endpoint_in_flight,
                 self.endpoint_engine_load, self.prefill_choice, self.prefill_prompt_tokens,
-                self.prefill_cached_tokens, *(self.peer_families() if self.peers_on else ())]
+                self.prefill_cached_tokens, *(self.peer_families() if self.peers_on else ()),
+                *((self.worker_records_sent, self.worker_records_dropped,
+                   self.worker_records_received) if self.worker_share_on else ())]
 
     def peer_families(self) -> list:
         return [self.peer_batches_sent, self.peer_records_sent, self.peer_records_dropped,

@@ -47,6 +47,7 @@ from ..routing.groups import BackendGroup, PrefillTargetAllowList
 from ..routing.health import HealthMonitor
 from ..routing.peers import PEERS_PATH, PeerShare
 from ..routing.prefill import PrefillChooser, TargetRefused
+from ..routing.worker_share import WorkerShare
 from ..tls import TrustStore
 from ..upstream.endpoint import Endpoint
 from ..upstream.pool import Resolver, Upstream, system_resolver
@@ -103,12 +104,20 @@ class Proxy:
         # PD_PROXY_PEERS: prefill choices told to and by the other replicas.
         self.peers = PeerShare(config, self.upstream, self.router, self.prefill,
                                self.metrics) if config.peers and self.router else None
+        self.worker_share: WorkerShare | None = None  # share_with_workers
         self.draining = False
         self.ids = Ids()  # generated request ids, transfer ids and rids
         self._maintenance: asyncio.Task[None] | None = None
         self._register_gauges()
 
     # -- life cycle
+
+    def share_with_workers(self, directory: str, index: int) -> None:
+        """--workers: this worker's prefill choices told to its siblings, theirs recorded
+        here (worker_share.py); nothing without cache-aware routing."""
+        if self.router is not None and self.config.workers > 1:
+            self.worker_share = WorkerShare(directory, index, self.config.workers,
+                                            self.router, self.prefill, self.metrics)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -122,6 +131,8 @@ class Proxy:
             self.engine_loads.start(loop)  # /metrics every health interval
         if self.peers is not None:
             self.peers.start(loop)
+        if self.worker_share is not None:
+            self.worker_share.start(loop)
         self._maintenance = loop.create_task(self._maintain())
 
     async def refresh_discovery(self) -> None:
@@ -150,6 +161,8 @@ class Proxy:
         await self.engine_loads.close()
         if self.peers is not None:
             await self.peers.close()
+        if self.worker_share is not None:
+            self.worker_share.close()
         await self.dispatch.close(grace)
         for endpoint in self.all_endpoints():
             self.upstream.close_idle(endpoint)
