@@ -113,8 +113,7 @@ class Proxy:
     # -- life cycle
 
     def share_with_workers(self, directory: str, index: int) -> None:
-        """--workers: this worker's prefill choices told to its siblings, theirs recorded
-        here (worker_share.py); nothing without cache-aware routing."""
+        """--workers: prefill choices shared with the sibling workers (worker_share.py)."""
         if self.router is not None and self.config.workers > 1:
             self.worker_share = WorkerShare(directory, index, self.config.workers,
                                             self.router, self.prefill, self.metrics)

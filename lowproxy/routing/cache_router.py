@@ -20,7 +20,7 @@ computes the rest itself.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Container, Iterable, Mapping, Sequence
 
 from ..upstream.endpoint import Endpoint
 from .blocks import TOKEN_BYTES, PromptBlocks, prompt_blocks
@@ -267,6 +267,17 @@ class CacheRouter:
     def decode_cached(self, lacks: int | None) -> bool:
         """Whether decode may compute the rest itself (the planner adds: not SGLang)."""
         return lacks is not None and lacks < self.decode_first_tokens
+
+    def record_told(self, records: Iterable[tuple[str, Sequence[int]]],
+                    known: Container[str]) -> int:
+        """Prefill choices another replica (peers.py) or worker (worker_share.py) made,
+        recorded as if made here for the labels ``known`` here; how many were."""
+        record, recorded = self.prefills.record, 0
+        for label, chain in records:
+            if label in known:
+                record(label, chain)
+                recorded += 1
+        return recorded
 
     def served_decode(self, endpoint: Endpoint, blocks: PromptBlocks) -> None:
         if blocks.chain:

@@ -252,13 +252,7 @@ class PeerShare:
             return 409, answers.error_body(
                 409, "this replica keys prompt blocks otherwise (PD_PROXY_PREFIX_BLOCK_BYTES "
                 f"{self.block_bytes}, or another Python build)", "peer_mismatch")
-        known = self._labels()
-        record = self.router.prefills.record
-        recorded = 0
-        for label, chain in batch.records:
-            if label in known:
-                record(label, chain)
-                recorded += 1
+        recorded = self.router.record_told(batch.records, self._labels())
         received.inc("recorded")
         self.metrics.records_received.inc("recorded", amount=recorded)
         if recorded < len(batch.records):

@@ -168,13 +168,8 @@ class WorkerShare:
                 log.warning("worker %d keys prompt blocks otherwise than worker %d: its "
                             "prefill choices are ignored", batch.replica, self.index)
             return 0
-        labels = {endpoint.label for endpoint in self.prefill.endpoints}
-        record = self.router.prefills.record
-        recorded = 0
-        for label, chain in batch.records:
-            if label in labels:
-                record(label, chain)
-                recorded += 1
+        recorded = self.router.record_told(
+            batch.records, {endpoint.label for endpoint in self.prefill.endpoints})
         self.received.inc(amount=recorded)
         return recorded
 

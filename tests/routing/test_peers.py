@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator
 import pytest
 
 from helpers import Daemon, config_for, free_port, pd_backends, request, wait_until
+from helpers.conversation import CHAT, legs_at, turns
 from lowproxy.config import parse_endpoint
 from lowproxy.daemon import limits_of
 from lowproxy.downstream import HttpServer
@@ -22,22 +23,7 @@ from lowproxy.routing.blocks import hash_probe
 from lowproxy.routing.peer_batch import encode
 from lowproxy.routing.peers import MAX_BODY_BYTES, PEERS_PATH
 
-CHAT = "/v1/chat/completions"
-ANSWER = "tok0 tok1 tok2 tok3 "  # the demo's answer to max_tokens 4
 KEY = "peer-admin-key-7f3a"
-
-
-def turns(*users: str) -> dict[str, Any]:
-    messages = [{"role": "system", "content": " ".join(f"sys{i}" for i in range(300))}]
-    for index, user in enumerate(users):
-        if index:
-            messages.append({"role": "assistant", "content": ANSWER})
-        messages.append({"role": "user", "content": user})
-    return {"model": "demo-model", "messages": messages, "max_tokens": 4}
-
-
-def legs_at(backend: Any) -> int:
-    return sum(1 for r in backend.received if r.method == "POST" and r.path == CHAT)
 
 
 @contextlib.asynccontextmanager

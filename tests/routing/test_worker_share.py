@@ -17,27 +17,12 @@ from typing import Any, AsyncIterator
 import pytest
 
 from helpers import Daemon, config_for, free_port, pd_backends, request, wait_until
+from helpers.conversation import CHAT, legs_at, turns
 from lowproxy.daemon import limits_of
 from lowproxy.downstream import HttpServer
 from lowproxy.proxy import Proxy
 from lowproxy.routing.peer_batch import decode, encode
 from lowproxy.routing.worker_share import MAX_DATAGRAM_KEYS, WorkerShare, socket_path
-
-CHAT = "/v1/chat/completions"
-ANSWER = "tok0 tok1 tok2 tok3 "  # the demo's answer to max_tokens 4
-
-
-def turns(*users: str) -> dict[str, Any]:
-    messages = [{"role": "system", "content": " ".join(f"sys{i}" for i in range(300))}]
-    for index, user in enumerate(users):
-        if index:
-            messages.append({"role": "assistant", "content": ANSWER})
-        messages.append({"role": "user", "content": user})
-    return {"model": "demo-model", "messages": messages, "max_tokens": 4}
-
-
-def legs_at(backend: Any) -> int:
-    return sum(1 for r in backend.received if r.method == "POST" and r.path == CHAT)
 
 
 @contextlib.asynccontextmanager
