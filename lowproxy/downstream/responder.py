@@ -79,7 +79,9 @@ class Responder:
                     content_length: int | None = None) -> None:
         """Begin the response; its head goes out with the first flush."""
         headers = self._with_extra(list(headers))
-        if content_length is not None:
+        # RFC 9110 section 8.6: never a Content-Length on a 204 (a backend's would
+        # make a client that trusts it wait for bytes that never come).
+        if content_length is not None and status != 204:
             headers.append((b"content-length", str(content_length).encode()))
         wire = self._wire
         if wire.draining:

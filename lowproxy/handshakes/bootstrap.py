@@ -109,8 +109,13 @@ class BootstrapCache:
         # Shielded: one client leaving must not cancel a query others wait on.
         return await asyncio.shield(pending)
 
-    def _query_done(self, key: str, _future: object) -> None:
+    def _query_done(self, key: str, future: asyncio.Future[EngineMap]) -> None:
         self._queries.pop(key, None)
+        # Every waiter may have left (clients gone) before a failed query ended:
+        # its error is then nobody's, and asyncio would print it with a traceback
+        # at collection. Each waiter that stayed raises it from shield() itself.
+        if not future.cancelled():
+            future.exception()
 
     async def _query(self, endpoint: Endpoint) -> EngineMap:
         loop = asyncio.get_running_loop()

@@ -160,7 +160,8 @@ def relay_decode_body(body: Body, prefill_kv: Any, prompt_token_ids: Any = None)
     Every other key is passed on verbatim, whatever its shape (NIXL's nested
     ``remote_block_ids``, ``tp_size``, ``remote_registration_generation``, the
     older Mooncake connector's ``remote_host``/``remote_port``, ...). When
-    prefill returned nothing usable (null, not an object, empty), decode gets
+    prefill returned nothing usable (null, not an object, empty, half-filled:
+    ``half_filled``), decode gets
     no kv_transfer_params at all and computes the prompt itself: a half-filled
     dict makes NIXL decode assert and Mooncake decode wait. ``prompt_token_ids``
     (tokenize once, opt-in) go inside the params.
@@ -173,9 +174,34 @@ def relay_decode_body(body: Body, prefill_kv: Any, prompt_token_ids: Any = None)
     return decode
 
 
-def relay_decode_params(prefill_kv: Any, prompt_token_ids: Any = None) -> Body | None:
-    """Decode's kv_transfer_params in relay_decode_body, or None for none at all."""
+_FLAGS = ("do_remote_prefill", "do_remote_decode")
+
+
+def half_filled(prefill_kv: Any) -> str | None:
+    """Why prefill's kv_transfer_params must not reach decode (PROTOCOL.md: never a
+    half-filled dict), or None: a NIXL-shaped dict (``remote_engine_id``) without
+    ``remote_block_ids`` makes NIXL's decode scheduler assert and take its engine
+    core down; block ids that are not a list are no connector's; a dict of the
+    flags alone tells decode nowhere to pull from. Other shapes are relayed as
+    they came (the older Mooncake connector's ``remote_host``/``remote_port``
+    alone, connectors lowproxy does not know)."""
     if not isinstance(prefill_kv, dict) or not prefill_kv:
+        return None  # nothing at all: no dict to fill (Mooncake 0.16+ answers null)
+    if "remote_block_ids" in prefill_kv:
+        if not isinstance(prefill_kv["remote_block_ids"], list):
+            return "remote_block_ids is not a list"
+        return None
+    if "remote_engine_id" in prefill_kv:
+        return "remote_engine_id without remote_block_ids"
+    if all(key in _FLAGS for key in prefill_kv):
+        return "only the do_remote_* flags"
+    return None
+
+
+def relay_decode_params(prefill_kv: Any, prompt_token_ids: Any = None) -> Body | None:
+    """Decode's kv_transfer_params in relay_decode_body, or None for none at all
+    (also for a half-filled dict: decode then computes the prompt itself)."""
+    if not isinstance(prefill_kv, dict) or not prefill_kv or half_filled(prefill_kv):
         return None
     kv = dict(prefill_kv)
     kv["do_remote_prefill"] = True

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable
 from ..config.settings import Config
 from ..downstream.messages import ClientGone, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
-from ..handshakes.legs import Plan
+from ..handshakes.legs import Plan, half_filled
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..routing.engine_load import ASK_ORCA, EngineLoads
@@ -153,6 +153,11 @@ class Dispatcher:
         result = await self._prefill_leg(exchange, plan, want_kv=True,
                                          while_waiting=plan.prepare_decode)
         if result.ok and plan.decode_body_for is not None:
+            problem = half_filled(result.kv_transfer_params)
+            if problem is not None:
+                logs.warn(log, f"prefill answered kv_transfer_params decode cannot use "
+                          f"({problem}); decode will recompute the prompt",
+                          exchange.request_id, backend=exchange.prefill_backend)
             body = plan.decode_body_for(result.kv_transfer_params, result.prompt_token_ids)
             exchange.prefill_cached_tokens = result.cached_tokens
         else:
@@ -287,7 +292,8 @@ class Dispatcher:
             raise PrefillFailed(detail)
         self.metrics.prefill_legs.inc(exchange.handshake or "", "recompute")
         logs.warn(log, "decode will recompute the prompt without transferred KV",
-                  exchange.request_id, handshake=exchange.handshake)
+                  exchange.request_id, handshake=exchange.handshake,
+                  backend=exchange.prefill_backend)
         return plan.fallback_body()
 
     # -- decode

@@ -64,10 +64,16 @@ async def answer_failure(config: Config, metrics: Metrics, exchange: Exchange,
         status, body = 502, answers.prefill_failed(failure.detail, anthropic)
     elif isinstance(failure, Truncated):
         metrics.decode_legs.inc("truncated")
-        logs.warn(log, f"decode broke off its response after {responder.bytes_out} bytes; "
-                  f"the client's response is cut: {failure.detail}", request_id,
-                  backend=failure.backend)
-        raise AbortResponse()
+        if responder.started:
+            logs.warn(log, f"decode broke off its response after {responder.bytes_out} "
+                      f"bytes; the client's response is cut: {failure.detail}", request_id,
+                      backend=failure.backend)
+            raise AbortResponse()
+        # Read whole before any of it went out (its usage rewritten): the client
+        # is owed a status, and the access line and metrics say the same one.
+        logs.warn(log, f"decode broke off its response before any of it was sent; the "
+                  f"client gets 502: {failure.detail}", request_id, backend=failure.backend)
+        status, body = 502, answers.decode_failed(502, anthropic)
     else:  # pragma: no cover - every Failure is listed above
         raise failure
     if responder.started:

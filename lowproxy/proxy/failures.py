@@ -99,6 +99,9 @@ def prefill_outcome(status: int, raw: bytes, want_kv: bool,
     if status in REFUSED_BY_PREFILL:
         return PrefillResult(False, "rejected", detail=f"prefill refused the request ({status})",
                              status=status, body=_json_or_none(raw))
+    if status in (408, 429):
+        return PrefillResult(False, "error", detail=f"prefill answered {status}: it is "
+                             "overloaded or timed out, not refusing the request")
     if 400 <= status < 500:
         return PrefillResult(False, "error", detail=f"prefill answered {status}: the prefill "
                              "server is misconfigured (key, path or model), not the request")

@@ -77,6 +77,8 @@ class ChunkedDecoder:
                     if size - pos > MAX_LINE:
                         raise ChunkedError("chunk size line too long")
                     break
+                if end - pos > MAX_LINE:  # the same bound whether it came in one read or more
+                    raise ChunkedError("chunk size line too long")
                 line = buffer[pos:end]
                 semicolon = line.find(b";")
                 digits = (line if semicolon < 0 else line[:semicolon]).rstrip(b" \t")

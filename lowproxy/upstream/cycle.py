@@ -39,6 +39,9 @@ from .chunked import Deliver, Waiting
 from .httpcore_internals import MAX_HEAD_BYTES
 from .stream import READ_HIGH_WATER, AsyncioStream
 
+# Go's transport's bound (max1xxResponses): a backend that sends 1xx heads for
+# ever must not hold the request, nor grow what is written to a slow client.
+MAX_INFORMATIONAL = 5
 # Called with (status, headers) for each 1xx response before the final one.
 Informational = Callable[[int, list[tuple[bytes, bytes]]], None]
 Headers = list[tuple[bytes, bytes]]
@@ -69,12 +72,22 @@ def request_bytes(state: h11.Connection, method: bytes, target: bytes, headers: 
     return wire + send_end(state)
 
 
+def _head_problem(message: str) -> str:
+    """h11's complaint about a head, in the operator's terms (its state names and
+    buffer types are its own)."""
+    if "_SWITCH_UPGRADE" in message:
+        return "101 Switching Protocols, though no upgrade was asked for"
+    if message.startswith("illegal status line: bytearray("):
+        return "illegal status line: " + message[len("illegal status line: bytearray("):-1]
+    return message or "malformed response head"
+
+
 class HeadReader(Waiting):
     """The connection's sink until the final response head is in (and its body relay
     attaches: until then it keeps what comes after the head)."""
 
     __slots__ = ("state", "on_informational", "response", "final", "error", "eof", "rest",
-                 "_buffer", "_searched")
+                 "_buffer", "_searched", "_informational")
 
     def __init__(self, state: h11.Connection, stream: AsyncioStream,
                  on_informational: Informational | None) -> None:
@@ -88,6 +101,7 @@ class HeadReader(Waiting):
         self.rest = b""  # after the final head: the body's first bytes
         self._buffer = b""
         self._searched = 0
+        self._informational = 0
         self._waiter = None
 
     @property
@@ -121,13 +135,17 @@ class HeadReader(Waiting):
                     self.rest, self._buffer = buffer, b""
                     break
                 if kind is _Informational:
+                    self._informational += 1
+                    if self._informational > MAX_INFORMATIONAL:
+                        raise HeadError(f"more than {MAX_INFORMATIONAL} informational (1xx) "
+                                        "responses")
                     callback = self.on_informational
                     if callback is not None and event.status_code != 101:
                         callback(event.status_code, event.headers.raw_items())
                 elif event is not h11.NEED_DATA:
                     raise HeadError(f"unexpected {kind.__name__} before the response head")
         except h11.RemoteProtocolError as exc:
-            self.error = HeadError(str(exc) or "malformed response head")
+            self.error = HeadError(_head_problem(str(exc)))
         except BaseException as exc:  # raised again by the waiting coroutine
             self.error = exc
         self._wake()

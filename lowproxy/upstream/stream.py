@@ -168,6 +168,13 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         return self._protocol.eof
 
     @property
+    def all_sent(self) -> bool:
+        """Every byte written has left the transport: a backend that answered before
+        reading the whole request (an early 413) leaves the rest queued, and the next
+        request on this connection would wait behind it for ever."""
+        return not self._unsent and not self._transport.get_write_buffer_size()
+
+    @property
     def bytes_received(self) -> int:
         return self._protocol.received
 
