@@ -36,6 +36,7 @@ from .engine import (
     CHAT,
     EMBEDDINGS,
     GENERATE,
+    MAX_SEQUENCES,
     RESPONSES,
     Parsed,
     Problem,
@@ -273,8 +274,10 @@ class DemoBackend:
         rid = body.get("rid") if isinstance(body, dict) else None
         work = asyncio.ensure_future(self._generation(request, responder, route, body))
         entry = Inflight(str(rid) if rid is not None else uuid.uuid4().hex, work)
-        entry.pending = set(child_rids(entry.rid, batch_size(route, body)
-                                       if isinstance(body, dict) else None))
+        batch = batch_size(route, body) if isinstance(body, dict) else None
+        # Past the bound the generation answers 400 (engine.bounded): no rids for it.
+        entry.pending = set(child_rids(entry.rid, batch if (batch or 0) <= MAX_SEQUENCES
+                                       else None))
         self._inflight.add(entry)
         try:
             await work

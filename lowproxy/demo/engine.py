@@ -189,8 +189,25 @@ def _responses_prompt(body: dict[str, Any]) -> list[int]:
     return tokenize(render_messages(items, body.get("instructions")))
 
 
+# The demo's own guard, not vLLM's: it generates every sequence in the proxy's
+# process under --demo, so a client's n of a billion must not take that down.
+MAX_SEQUENCES = 1024
+
+
+def bounded(parsed: Parsed) -> Parsed:
+    """``parsed``, unless it asks for more than MAX_SEQUENCES sequences (prompts x n)."""
+    if parsed.sampling.n * len(parsed.prompts) > MAX_SEQUENCES:
+        raise Problem(400, f"the demo backend generates at most {MAX_SEQUENCES} sequences "
+                      "per request (prompts x n)", "n")
+    return parsed
+
+
 def parse(route: str, body: dict[str, Any]) -> Parsed:
     """The request as the engine sees it; raises Problem where vLLM answers 400."""
+    return bounded(_parse(route, body))
+
+
+def _parse(route: str, body: dict[str, Any]) -> Parsed:
     stream = bool(body.get("stream"))
     if route in (CHAT, COMPLETIONS):
         _openai_checks(body)

@@ -27,7 +27,16 @@ from typing import Any
 
 from ..answers import json_body
 from ..downstream.messages import ResponseWriter as Responder
-from .engine import COMPLETIONS, MESSAGES, RESPONSES, Parsed, Problem, sampling_of
+from .engine import (
+    COMPLETIONS,
+    MAX_SEQUENCES,
+    MESSAGES,
+    RESPONSES,
+    Parsed,
+    Problem,
+    bounded,
+    sampling_of,
+)
 from .kv import prompt_ids
 
 SGLANG_GENERATE = "sglang-generate"  # SGLang's native POST /generate
@@ -78,6 +87,8 @@ def rooms_of(route: str, body: dict[str, Any], size: int | None) -> list[Any]:
                           "bootstrap_room")
         return [room]
     if isinstance(room, list):
+        if size > MAX_SEQUENCES:  # bounded() refuses it; never expand it first
+            raise Problem(400, "too many sequences", "n")
         expanded = room * _samples(route, body)
         if len(expanded) < size:  # SGLang indexes past the end: an internal error
             raise Problem(500, "list index out of range", None, "InternalServerError")
@@ -134,8 +145,8 @@ def parse_generate(body: dict[str, Any]) -> Parsed:
         params = params[0] if params else {}
     if not isinstance(params, dict):
         raise Problem(400, "sampling_params must be an object", "sampling_params")
-    return Parsed(SGLANG_GENERATE, sampling_of(params, ("max_new_tokens",)), prompts,
-                  bool(body.get("stream")))
+    return bounded(Parsed(SGLANG_GENERATE, sampling_of(params, ("max_new_tokens",)), prompts,
+                          bool(body.get("stream"))))
 
 
 def generate_answers(result: Any) -> tuple[list[dict[str, Any]], bool]:

@@ -40,6 +40,12 @@ PROXY_OWNED_FIELDS: tuple[tuple[str, ...], ...] = (
 _OWNED_TOP_LEVEL = frozenset(path[0] for path in PROXY_OWNED_FIELDS)
 
 TOO_DEEP = f"JSON body nested deeper than {MAX_DEPTH} levels"
+# vLLM's request models have under a hundred fields; each leg copies and
+# serialises the body's top level field by field, so a body of millions of
+# fields (still under PD_PROXY_MAX_BODY_BYTES) would hold the event loop for
+# seconds. No API's request needs more than this.
+MAX_FIELDS = 1024
+TOO_MANY_FIELDS = f"JSON body has more than {MAX_FIELDS} top-level fields"
 
 
 class BodyError(ValueError):
@@ -62,6 +68,8 @@ def parse_client_body(raw: bytes) -> Body:
         raise BodyError("invalid JSON body") from None
     if not isinstance(decoded, dict):
         raise BodyError("JSON body must be an object")
+    if len(decoded) > MAX_FIELDS:
+        raise BodyError(TOO_MANY_FIELDS)
     return decoded
 
 

@@ -19,7 +19,7 @@ from ..upstream.endpoint import Endpoint
 from . import mooncake, relay, sglang
 from .bootstrap import BootstrapCache, BootstrapError
 from .legs import Plan, decode_only_plan, leg_serialiser, serialise
-from .rules import SHORT, cannot_hand_off, too_short
+from .rules import SHORT, cannot_hand_off, decode_would_reject, too_short
 
 DECODE_CACHED = "decode-cached"  # decode-first: decode holds all but a few tokens
 
@@ -50,6 +50,17 @@ class PrefillPick(Protocol):
 
 def _new_room() -> int:
     return _rooms.getrandbits(sglang.ROOM_BITS)  # non-negative, fits SGLang's int64 room
+
+
+def refused_before_legs(body: Body, surface: str, kv_protocol: str) -> tuple[str, str] | None:
+    """(param, message) for a request answered 400 before either leg: one decode
+    rejects (decode_would_reject), or, under sglang, one SGLang would make into
+    more requests than lowproxy pairs (sglang.too_many_children)."""
+    if kv_protocol == "sglang":
+        too_many = sglang.too_many_children(surface, body)
+        if too_many is not None:
+            return too_many
+    return decode_would_reject(body, surface)
 
 
 def skip_reason(config: Config, surface: str, body: Body, prompt_bytes: int | None

@@ -25,6 +25,10 @@ from .legs import Plan, serialise, sglang_body
 
 # A room is a non-negative int64 in SGLang; a random 63-bit integer each.
 ROOM_BITS = 63
+# The most requests SGLang may make of one (prompts x n) that lowproxy pairs: each
+# needs a room (a random draw) and a rid of its own, made before either leg, so an
+# unbounded n would hold the event loop and grow the process without end.
+MAX_CHILDREN = 1024
 
 
 def _count(value: Any) -> int | None:
@@ -71,6 +75,20 @@ def children(surface: str, body: Body) -> int | None:
     if prompts is None and n == 1:
         return None
     return (prompts or 1) * n
+
+
+def too_many_children(surface: str, body: Body) -> tuple[str, str] | None:
+    """(param, message) when SGLang would make more than MAX_CHILDREN requests of
+    this one; else None."""
+    batch = children(surface, body)
+    if batch is None or batch <= MAX_CHILDREN:
+        return None
+    param = "n" if _parallel_samples(surface, body) > 1 else \
+        ("prompt" if surface == COMPLETIONS else "text")
+    if surface == SGLANG_GENERATE and param == "n":
+        param = "sampling_params.n"
+    return param, (f"this request makes {batch} sequences (prompts x n); lowproxy pairs at "
+                   f"most {MAX_CHILDREN} per request under the sglang handshake")
 
 
 def child_rids(rid: str, batch: int | None) -> tuple[str, ...]:

@@ -21,9 +21,8 @@ from ..downstream.messages import ClientRequest, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.client_body import BodyError, parse_client_body, wants_stream, without_client_kv
 from ..handshakes.legs import decode_only_plan, serialise
-from ..handshakes.planner import Generation, plan_generation
-from ..handshakes.rules import decode_would_reject
-from ..headers import forwarded_request_headers, header_value
+from ..handshakes.planner import Generation, plan_generation, refused_before_legs
+from ..headers import forwarded_request_headers, header_value, printable, with_header
 from ..ids import Ids
 from ..keys import BackendKey, ClientKeys
 from ..observability import logs
@@ -261,9 +260,9 @@ class Proxy:
             upstream_headers += self.backend_key.headers()  # none without a backend key
         # The forwarded one: an x-request-id the client's Connection names is not.
         request_id = header_value(upstream_headers, b"x-request-id")
-        if request_id is None:
+        if request_id is None or not printable(request_id):  # control bytes: ours instead
             request_id = self.ids.next_hex().encode()
-            upstream_headers.append((b"x-request-id", request_id))
+            upstream_headers = with_header(upstream_headers, b"x-request-id", request_id)
         trace_id, span = trace_context(request, upstream_headers, self.config.trace,
                                        self.tracing)
         return Exchange(request, route, request_id.decode("latin-1"), upstream_headers,
@@ -321,7 +320,7 @@ class Proxy:
             await responder.send_bytes(400, answers.invalid_body(str(exc)))
             return
         request.body = b""  # parsed: a long stream must not keep the raw prompt too
-        rejected = decode_would_reject(body, surface)
+        rejected = refused_before_legs(body, surface, self.config.kv_protocol)
         if rejected is not None:
             # Decode would reject it after prefill computed a KV nobody reads.
             await responder.send_bytes(400, answers.invalid_request(

@@ -40,6 +40,9 @@ HEALTH_TARGET = b"/health"
 MODELS_TARGET = b"/v1/models"
 MAX_ANSWER_BYTES = 4 * 1024 * 1024
 MISSING_KEPT = 1024  # model names asked for and not found, remembered for their refresh
+# Refreshes for models not found begin at most this often: a client naming a new
+# unknown model in every request must not drive GET /v1/models at its own rate.
+REFRESH_SPACING_SECONDS = 1.0
 KEY_REFUSED = (401, 403)  # a backend's answer to a missing or wrong backend key
 CAP_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
@@ -64,6 +67,7 @@ class HealthMonitor:
         self._done = 0
         self._refresh: asyncio.Task[None] | None = None
         self._refresh_number = 0
+        self._refresh_began = -REFRESH_SPACING_SECONDS  # loop time the last one began
         self._missing: OrderedDict[str, int] = OrderedDict()
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -200,8 +204,9 @@ class HealthMonitor:
         """Return once a decode model refresh that started after refresh ``number`` ended.
 
         Every pass either awaits a refresh still running (which suspends) or
-        starts one; a finished refresh has already raised ``_done`` and cleared
-        ``_refresh``, so the loop cannot spin on it.
+        starts one, at most one each REFRESH_SPACING_SECONDS; a finished refresh
+        has already raised ``_done`` and cleared ``_refresh``, so the loop cannot
+        spin on it.
         """
         while self._done <= number:
             task = self._refresh
@@ -209,6 +214,12 @@ class HealthMonitor:
                 await asyncio.shield(task)  # one in flight began too early: then the next
                 continue
             if task is None or task.done():
+                loop = asyncio.get_running_loop()
+                wait = self._refresh_began + REFRESH_SPACING_SECONDS - loop.time()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                    continue  # another waiter may have begun one meanwhile
+                self._refresh_began = loop.time()
                 self._started += 1
                 self._refresh_number = self._started
                 task = self._refresh = asyncio.get_running_loop().create_task(
