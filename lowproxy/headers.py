@@ -71,21 +71,6 @@ def header_value(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes |
     return None
 
 
-_CONTROL = bytes(range(0x20)) + b"\x7f"
-
-
-def printable(value: bytes) -> bool:
-    """No control bytes (h11 lets some through in field values): a value safe to echo
-    to the client and to pass on as an identifier."""
-    return not value or len(value.translate(None, _CONTROL)) == len(value)
-
-
-def with_header(headers: list[tuple[bytes, bytes]], name: bytes, value: bytes
-                ) -> list[tuple[bytes, bytes]]:
-    """``headers`` with every ``name`` (lowercase) replaced by one ``name: value``."""
-    return [item for item in headers if item[0] != name] + [(name, value)]
-
-
 def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
     """Header names listed in Connection: they are hop-by-hop too (RFC 9110 7.6.1)."""
     tokens: set[bytes] = set()

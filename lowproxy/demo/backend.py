@@ -356,6 +356,8 @@ class DemoBackend:
             raise Problem(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
         parsed.model = model or self.served_model_names[0]
         previous = body.get("previous_response_id")
+        if previous is not None and not isinstance(previous, str):
+            raise Problem(400, "previous_response_id must be a string", "previous_response_id")
         if parsed.route == RESPONSES and previous and previous not in self.stored_responses:
             # A prefill server does not hold the decode server's conversations.
             raise Problem(404, f"Response with id '{previous}' not found.",

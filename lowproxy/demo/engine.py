@@ -153,6 +153,8 @@ def sampling_of(params: dict[str, Any], cap_keys: tuple[str, ...], stop_key: str
             raise Problem(400, f"min_tokens must be less than or equal to "
                           f"max_tokens={cap}, got {low}.", "min_tokens")
         ids = params.get("stop_token_ids") or []
+        if not isinstance(ids, list):  # vLLM's request model: a list of ints
+            raise Problem(400, "stop_token_ids must be a list of integers", "stop_token_ids")
         sampling.min_tokens = low
         sampling.ignore_eos = bool(params.get("ignore_eos"))
         sampling.stop_token_ids = tuple(t for t in ids if isinstance(t, int))

@@ -22,7 +22,7 @@ from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.client_body import BodyError, parse_client_body, wants_stream, without_client_kv
 from ..handshakes.legs import decode_only_plan, serialise
 from ..handshakes.planner import Generation, plan_generation, refused_before_legs
-from ..headers import forwarded_request_headers, header_value, printable, with_header
+from ..headers import forwarded_request_headers, header_value
 from ..ids import Ids
 from ..keys import BackendKey, ClientKeys
 from ..observability import logs
@@ -260,9 +260,9 @@ class Proxy:
             upstream_headers += self.backend_key.headers()  # none without a backend key
         # The forwarded one: an x-request-id the client's Connection names is not.
         request_id = header_value(upstream_headers, b"x-request-id")
-        if request_id is None or not printable(request_id):  # control bytes: ours instead
+        if request_id is None:
             request_id = self.ids.next_hex().encode()
-            upstream_headers = with_header(upstream_headers, b"x-request-id", request_id)
+            upstream_headers.append((b"x-request-id", request_id))
         trace_id, span = trace_context(request, upstream_headers, self.config.trace,
                                        self.tracing)
         return Exchange(request, route, request_id.decode("latin-1"), upstream_headers,
