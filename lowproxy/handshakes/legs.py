@@ -201,7 +201,10 @@ def half_filled(prefill_kv: Any) -> str | None:
 def relay_decode_params(prefill_kv: Any, prompt_token_ids: Any = None) -> Body | None:
     """Decode's kv_transfer_params in relay_decode_body, or None for none at all
     (also for a half-filled dict: decode then computes the prompt itself)."""
-    if not isinstance(prefill_kv, dict) or not prefill_kv or half_filled(prefill_kv):
+    if not isinstance(prefill_kv, dict) or not prefill_kv:
+        return None
+    # NIXL's answer, the common one, is checked in two lookups; others in full.
+    if not isinstance(prefill_kv.get("remote_block_ids"), list) and half_filled(prefill_kv):
         return None
     kv = dict(prefill_kv)
     kv["do_remote_prefill"] = True

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Callable, Protocol
 
 from .._types import Body
 from ..config.settings import Config
@@ -52,15 +52,16 @@ def _new_room() -> int:
     return _rooms.getrandbits(sglang.ROOM_BITS)  # non-negative, fits SGLang's int64 room
 
 
-def refused_before_legs(body: Body, surface: str, kv_protocol: str) -> tuple[str, str] | None:
-    """(param, message) for a request answered 400 before either leg: one decode
-    rejects (decode_would_reject), or, under sglang, one SGLang would make into
-    more requests than lowproxy pairs (sglang.too_many_children)."""
-    if kv_protocol == "sglang":
-        too_many = sglang.too_many_children(surface, body)
-        if too_many is not None:
-            return too_many
-    return decode_would_reject(body, surface)
+def _refused_under_sglang(body: Body, surface: str) -> tuple[str, str] | None:
+    return sglang.too_many_children(surface, body) or decode_would_reject(body, surface)
+
+
+def refusal_rules(kv_protocol: str) -> Callable[[Body, str], tuple[str, str] | None]:
+    """What answers a request 400 before either leg, as (param, message) or None:
+    one decode rejects (decode_would_reject), and under sglang also one SGLang
+    would make into more requests than lowproxy pairs (sglang.too_many_children).
+    Chosen once per handshake, so that the other handshakes pay no extra call."""
+    return _refused_under_sglang if kv_protocol == "sglang" else decode_would_reject
 
 
 def skip_reason(config: Config, surface: str, body: Body, prompt_bytes: int | None

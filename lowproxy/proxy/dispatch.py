@@ -153,7 +153,9 @@ class Dispatcher:
         result = await self._prefill_leg(exchange, plan, want_kv=True,
                                          while_waiting=plan.prepare_decode)
         if result.ok and plan.decode_body_for is not None:
-            problem = half_filled(result.kv_transfer_params)
+            kv = result.kv_transfer_params
+            problem = None if not isinstance(kv, dict) or isinstance(
+                kv.get("remote_block_ids"), list) else half_filled(kv)
             if problem is not None:
                 logs.warn(log, f"prefill answered kv_transfer_params decode cannot use "
                           f"({problem}); decode will recompute the prompt",

@@ -21,7 +21,7 @@ from ..downstream.messages import ClientRequest, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.client_body import BodyError, parse_client_body, wants_stream, without_client_kv
 from ..handshakes.legs import decode_only_plan, serialise
-from ..handshakes.planner import Generation, plan_generation, refused_before_legs
+from ..handshakes.planner import Generation, plan_generation, refusal_rules
 from ..headers import forwarded_request_headers, header_value
 from ..ids import Ids
 from ..keys import BackendKey, ClientKeys
@@ -66,6 +66,7 @@ class Proxy:
         self.config = config
         # SGLang's native POST /generate is a generation surface under its handshake.
         self.sglang = config.kv_protocol == "sglang"
+        self.refused_before_legs = refusal_rules(config.kv_protocol)
         self.metrics = Metrics()
         self.trust = TrustStore(config.ca_file)
         if config.ca_file:
@@ -320,7 +321,7 @@ class Proxy:
             await responder.send_bytes(400, answers.invalid_body(str(exc)))
             return
         request.body = b""  # parsed: a long stream must not keep the raw prompt too
-        rejected = refused_before_legs(body, surface, self.config.kv_protocol)
+        rejected = self.refused_before_legs(body, surface)
         if rejected is not None:
             # Decode would reject it after prefill computed a KV nobody reads.
             await responder.send_bytes(400, answers.invalid_request(

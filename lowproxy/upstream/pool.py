@@ -356,7 +356,7 @@ class Upstream:
                 and state.trailing_data == _NOTHING_TRAILING
                 # ... and the request has left in full (Go's transport, too,
                 # reuses a connection only once its request was written).
-                and stream.all_sent
+                and (not stream.sent_large or stream.all_sent)
                 and pooled.requests < config.upstream_max_requests
                 and len(endpoint.idle) < MAX_IDLE_PER_ENDPOINT):
             now = time.monotonic()

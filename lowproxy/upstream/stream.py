@@ -31,6 +31,7 @@ from ..timeouts import deadline
 # Stop reading from the socket past this much unread data (back-pressure).
 READ_HIGH_WATER = 64 * 1024
 # Writes smaller than this wait for the next one or for the first read.
+LARGE_WRITE = 16384  # see AsyncioStream.all_sent
 WRITE_COALESCE = 64 * 1024
 
 
@@ -128,7 +129,7 @@ def _expire(future: asyncio.Future[None]) -> None:
 class AsyncioStream(httpcore.AsyncNetworkStream):
     """httpcore's network stream interface over one asyncio transport."""
 
-    __slots__ = ("_protocol", "_transport", "_unsent", "_fd", "bytes_sent")
+    __slots__ = ("_protocol", "_transport", "_unsent", "_fd", "bytes_sent", "sent_large")
 
     def __init__(self, protocol: _StreamProtocol) -> None:
         self._protocol = protocol
@@ -145,6 +146,9 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         # in _unsent until the first read, so this, not httpcore's write calls,
         # says whether a request can have reached the backend.
         self.bytes_sent = 0
+        # A write of LARGE_WRITE bytes or more was made and not yet seen all sent
+        # (all_sent): only then can the transport still hold part of a request.
+        self.sent_large = False
 
     async def _wait(self, attr: str, timeout: float | None) -> None:
         protocol = self._protocol
@@ -171,8 +175,14 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
     def all_sent(self) -> bool:
         """Every byte written has left the transport: a backend that answered before
         reading the whole request (an early 413) leaves the rest queued, and the next
-        request on this connection would wait behind it for ever."""
-        return not self._unsent and not self._transport.get_write_buffer_size()
+        request on this connection would wait behind it for ever. Asked only after
+        a large write (``sent_large``): a smaller one goes into the socket's send
+        buffer whole (Linux gives it at least 16 KiB), so the common request pays
+        nothing for the check."""
+        if self._unsent or self._transport.get_write_buffer_size():
+            return False
+        self.sent_large = False
+        return True
 
     @property
     def bytes_received(self) -> int:
@@ -210,6 +220,8 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             return False
         self.bytes_sent += len(data)
         self._transport.write(data)
+        if len(data) >= LARGE_WRITE:
+            self.sent_large = True
         return True
 
     def readable_now(self) -> bool:
@@ -304,6 +316,8 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             return
         self.bytes_sent += len(data)
         self._transport.write(data)
+        if len(data) >= LARGE_WRITE:
+            self.sent_large = True
 
     async def aclose(self) -> None:
         self.close()
