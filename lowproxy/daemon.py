@@ -64,7 +64,14 @@ CERTIFICATE_CHECK_SECONDS = 1.0
 
 
 class StartError(Exception):
-    """A mistake found at start: one line for the operator, exit status 2."""
+    """A mistake found at start: one line for the operator, exit status 2.
+
+    ``setting``: the one at fault, as the line names it (the JSON line's
+    ``setting`` field, as a parse error carries)."""
+
+    def __init__(self, message: str, setting: str = "") -> None:
+        super().__init__(message)
+        self.setting = setting
 
 
 @dataclasses.dataclass
@@ -264,29 +271,43 @@ def check_start(config: Config, name: Callable[[str], str] = setting_name()) -> 
     ``name(field)`` is how the line names a setting: its flag when that was given."""
     if config.metrics_port and config.metrics_port == config.port:
         raise StartError(f"{name('metrics_port')} {config.metrics_port} is the main port "
-                         f"({name('port')}): choose another one")
+                         f"({name('port')}): choose another one", name('metrics_port'))
     if bool(config.tls_cert_file) != bool(config.tls_key_file):
-        raise StartError(f"{name('tls_cert_file')} and {name('tls_key_file')} go together")
+        missing = 'tls_key_file' if config.tls_cert_file else 'tls_cert_file'
+        raise StartError(f"{name('tls_cert_file')} and {name('tls_key_file')} go together",
+                         name(missing))
     if config.demo_args and not config.demo:
-        raise StartError(f"{name('demo_args')} is set, but not --demo")
+        raise StartError(f"{name('demo_args')} is set, but not --demo", name('demo_args'))
     if config.demo:
         try:
             pair_options(config.demo_args)
         except ValueError as exc:
-            raise StartError(f"{name('demo_args')}: {exc}") from None
+            raise StartError(f"{name('demo_args')}: {exc}", name('demo_args')) from None
     if config.peers and config.prefill_policy != "cache-aware":
         raise StartError(f"{name('peers')} shares cache-aware prefill choices: it needs "
-                         f"{name('prefill_policy')}=cache-aware, not {config.prefill_policy}")
+                         f"{name('prefill_policy')}=cache-aware, not {config.prefill_policy}",
+                         name('peers'))
     if config.tls_client_ca_file and not config.tls_cert_file:
         raise StartError(f"{name('tls_client_ca_file')} needs {name('tls_cert_file')} and "
-                         f"{name('tls_key_file')} (mTLS is on the HTTPS port)")
-    try:
-        if config.ca_file:
+                         f"{name('tls_key_file')} (mTLS is on the HTTPS port)",
+                         name('tls_client_ca_file'))
+    if config.ca_file:
+        try:
             TrustStore(config.ca_file).context()
-        if config.tls_cert_file:
+        except TrustUnavailable as exc:
+            raise StartError(f"{name('ca_file')}: {exc}", name('ca_file')) from None
+    if config.tls_cert_file:
+        try:
             server_certificate(config).context()
-    except TrustUnavailable as exc:
-        raise StartError(str(exc)) from None
+        except TrustUnavailable as exc:
+            # Which file: the client CA's message names it; else the pair (the
+            # ssl module cannot tell a bad key from a bad certificate).
+            if str(exc).startswith("client CA"):
+                named = setting = name('tls_client_ca_file')
+            else:
+                setting = name('tls_cert_file')
+                named = f"{setting} / {name('tls_key_file')}"
+            raise StartError(f"{named}: {exc}", setting) from None
 
 
 def server_certificate(config: Config) -> ServerCertificate:
@@ -302,7 +323,7 @@ def bind(host: str, port: int, setting: str, host_setting: str = "PD_PROXY_HOST"
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as exc:
         raise StartError(f"cannot listen on {host}:{port} ({host_setting}: "
-                         f"{exc.strerror})") from None
+                         f"{exc.strerror})", host_setting) from None
     sock = socket.socket(family, kind, proto)
     try:
         # SO_REUSEADDR only lets a restart bind past connections in TIME_WAIT;
@@ -312,11 +333,12 @@ def bind(host: str, port: int, setting: str, host_setting: str = "PD_PROXY_HOST"
         sock.listen(2048)
     except OSError as exc:
         sock.close()
+        at_fault = setting if exc.errno == errno.EADDRINUSE else host_setting
         if exc.errno == errno.EADDRINUSE:
             reason = f"{setting}: address in use (another process listens there)"
         else:
             reason = f"{host_setting}: {exc.strerror or exc}"
-        raise StartError(f"cannot listen on {host}:{port} ({reason})") from None
+        raise StartError(f"cannot listen on {host}:{port} ({reason})", at_fault) from None
     sock.set_inheritable(False)
     return sock
 
@@ -398,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         check_start(config, name)
         listeners = open_listeners(config, name)
     except StartError as exc:
-        logs.start_error(str(exc), config.log_format == "json")
+        logs.start_error(str(exc), config.log_format == "json", setting=exc.setting)
         return 2
     warn_otel_without_sdk(config)
     warn_peers_with_workers(config)

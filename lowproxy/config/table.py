@@ -46,6 +46,7 @@ def _positive_seconds(text: str) -> float:
 
 
 _ratio.metavar = "RATIO"  # type: ignore[attr-defined]
+_positive_seconds.metavar = "SECONDS"  # type: ignore[attr-defined]
 
 
 def _backend_key(text: str) -> str:
@@ -128,11 +129,11 @@ SETTINGS: tuple[Setting, ...] = (
             "text", "log line format: text or json"),
     Setting(
         "prefill_timeout", "PD_PROXY_PREFILL_TIMEOUT_SECONDS", "--prefill-timeout",
-        seconds_value, "300", "bound on the whole prefill leg (and the relay of its answer)",
+        _positive_seconds, "300", "bound on the whole prefill leg (and the relay of its answer)",
     ),
     Setting(
         "connect_timeout", "PD_PROXY_CONNECT_TIMEOUT_SECONDS", "--connect-timeout",
-        seconds_value, "5", "bound on opening one upstream connection (TCP and TLS)",
+        _positive_seconds, "5", "bound on opening one upstream connection (TCP and TLS)",
     ),
     Setting(
         "decode_timeout", "PD_PROXY_DECODE_TIMEOUT_SECONDS", "--decode-timeout",
@@ -194,7 +195,7 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "health_timeout", "PD_PROXY_HEALTH_TIMEOUT_SECONDS", "--health-timeout",
-        seconds_value, "2", "bound on one health check or model list request",
+        _positive_seconds, "2", "bound on one health check or model list request",
     ),
     Setting(
         "health_failures", "PD_PROXY_HEALTH_FAILURES", "--health-failures", int_in(1, 1000),

@@ -319,7 +319,7 @@ class Dispatcher:
         if exchange.decode_started is None:
             exchange.decode_started = time.perf_counter()
         tried: tuple[Endpoint, ...] = ()
-        last_error = "no decode backend configured"
+        last_error = "no decode endpoint (none configured, or a dns+ name resolves to none)"
         while True:
             endpoint = self._preferred_decode(exchange, tried)
             if endpoint is None:

@@ -300,6 +300,7 @@ class Proxy:
             reason = "draining"
         elif not self.decode.ready_count(checked_only=self.health.active):
             reason = ("no decode endpoint configured" if not self.decode.configured
+                      else "no decode address resolved" if not self.decode.endpoints
                       else "decode not checked yet" if self.health.active
                       and not self.decode.checked
                       else "no healthy decode endpoint" if self.decode.usable_count()

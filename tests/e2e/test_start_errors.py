@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import socket
 
@@ -86,6 +87,23 @@ def test_a_missing_or_unusable_certificate_file(tmp_path, ca, variable, which):
         broken.write_bytes(b"not pem at all\n")
     line = refused({name: str(path) for name, path in files.items()})
     assert str(broken) in line
+    assert line.startswith(f"lowproxy: {variable}") or f"/ {variable}:" in line, line
+    # Under JSON logging the one line is an object whose "setting" names it too.
+    line = refused({**{name: str(path) for name, path in files.items()},
+                    "PD_PROXY_LOG_FORMAT": "json"})
+    named = json.loads(line)["setting"]
+    assert named == variable or (variable, named) == (
+        "PD_PROXY_TLS_KEY_FILE", "PD_PROXY_TLS_CERT_FILE"), line
+
+
+@pytest.mark.parametrize("variable", ["PD_PROXY_CONNECT_TIMEOUT_SECONDS",
+                                      "PD_PROXY_HEALTH_TIMEOUT_SECONDS",
+                                      "PD_PROXY_PREFILL_TIMEOUT_SECONDS"])
+def test_a_timeout_of_zero_that_would_stop_everything_is_refused(variable):
+    """0 is "none" only for the decode timeouts: a 0 connect, health-check or
+    prefill bound would fail every connection, check or prefill leg."""
+    line = refused({variable: "0"})
+    assert variable in line and "more than 0" in line
 
 
 def test_a_certificate_without_its_key():

@@ -307,3 +307,17 @@ async def test_dns_names_resolving_to_nothing():
         async with running_proxy(config, resolver=resolver) as proxy:
             reply = await proxy.request("POST", CHAT, chat())
             assert reply.status == 503 and reply.json()["error"]["type"] == "no_decode_backend"
+
+
+async def test_a_dns_name_resolving_to_nothing_says_so_in_readyz_and_the_answer(caplog):
+    """The shipped manifest's decode is a headless Service: before any vLLM pod is
+    ready it resolves to nothing, and /readyz said "decode not checked yet" for
+    ever (session 36's docs audit)."""
+    resolver = Resolver()
+    config = config_for((), "dns+http://decode.svc:8000", health_interval=0.2)
+    async with running_proxy(config, resolver=resolver) as proxy:
+        ready = await proxy.request("GET", "/readyz")
+        assert ready.status == 503 and ready.json()["reason"] == "no decode address resolved"
+        assert (await proxy.request("POST", CHAT, chat())).status == 503
+    assert any("dns+ name resolves to none" in record.getMessage()
+               for record in caplog.records)
