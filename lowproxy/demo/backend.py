@@ -276,8 +276,8 @@ class DemoBackend:
         entry = Inflight(str(rid) if rid is not None else uuid.uuid4().hex, work)
         batch = batch_size(route, body) if isinstance(body, dict) else None
         # Past the bound the generation answers 400 (engine.bounded): no rids for it.
-        entry.pending = set(child_rids(entry.rid, batch if (batch or 0) <= MAX_SEQUENCES
-                                       else None))
+        entry.pending = set(child_rids(entry.rid, None if (batch or 0) > MAX_SEQUENCES
+                                       else batch))
         self._inflight.add(entry)
         try:
             await work
@@ -355,8 +355,7 @@ class DemoBackend:
         if model is not None and model not in self.served_model_names and not self.any_model:
             raise Problem(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
         parsed.model = model or self.served_model_names[0]
-        previous = body.get("previous_response_id")
-        if previous is not None and not isinstance(previous, str):
+        if not isinstance(previous := body.get("previous_response_id"), (str, type(None))):
             raise Problem(400, "previous_response_id must be a string", "previous_response_id")
         if parsed.route == RESPONSES and previous and previous not in self.stored_responses:
             # A prefill server does not hold the decode server's conversations.

@@ -322,8 +322,7 @@ class Proxy:
             await responder.send_bytes(400, answers.invalid_body(str(exc)))
             return
         request.body = b""  # parsed: a long stream must not keep the raw prompt too
-        rejected = self.refused_before_legs(body, surface)
-        if rejected is not None:
+        if (rejected := self.refused_before_legs(body, surface)) is not None:
             # Decode would reject it after prefill computed a KV nobody reads.
             await responder.send_bytes(400, answers.invalid_request(
                 *rejected, anthropic=surface == MESSAGES))
