@@ -333,11 +333,10 @@ def bind(host: str, port: int, setting: str, host_setting: str = "PD_PROXY_HOST"
         sock.listen(2048)
     except OSError as exc:
         sock.close()
-        at_fault = setting if exc.errno == errno.EADDRINUSE else host_setting
         if exc.errno == errno.EADDRINUSE:
-            reason = f"{setting}: address in use (another process listens there)"
+            at_fault, reason = setting, f"{setting}: address in use (another process listens there)"
         else:
-            reason = f"{host_setting}: {exc.strerror or exc}"
+            at_fault, reason = host_setting, f"{host_setting}: {exc.strerror or exc}"
         raise StartError(f"cannot listen on {host}:{port} ({reason})", at_fault) from None
     sock.set_inheritable(False)
     return sock

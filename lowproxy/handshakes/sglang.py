@@ -83,10 +83,10 @@ def too_many_children(surface: str, body: Body) -> tuple[str, str] | None:
     batch = children(surface, body)
     if batch is None or batch <= MAX_CHILDREN:
         return None
-    param = "n" if _parallel_samples(surface, body) > 1 else \
-        ("prompt" if surface == COMPLETIONS else "text")
-    if surface == SGLANG_GENERATE and param == "n":
-        param = "sampling_params.n"
+    if _parallel_samples(surface, body) > 1:
+        param = "sampling_params.n" if surface == SGLANG_GENERATE else "n"
+    else:
+        param = "prompt" if surface == COMPLETIONS else "text"
     return param, (f"this request makes {batch} sequences (prompts x n); lowproxy pairs at "
                    f"most {MAX_CHILDREN} per request under the sglang handshake")
 

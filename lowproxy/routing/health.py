@@ -222,7 +222,7 @@ class HealthMonitor:
                 self._refresh_began = loop.time()
                 self._started += 1
                 self._refresh_number = self._started
-                task = self._refresh = asyncio.get_running_loop().create_task(
+                task = self._refresh = loop.create_task(
                     self._refresh_models(self._refresh_number))
             await asyncio.shield(task)
 
