@@ -7,8 +7,8 @@ when the prefill reported a figure (PD_PROXY_REWRITE_CACHED_TOKENS).
 
 Streamed answers are rewritten only in the events that carry usage, found by
 a byte search before anything is parsed, so events without usage cost one
-``in`` test per read. Each event is expected whole within one read (vLLM
-writes one event per chunk); an event split across reads is passed on as is.
+``find`` per read. The relay (proxy/answer_copy.py) hands these functions whole
+lines: a data line cut across reads is held until its newline arrives.
 
 A usage object of any other shape (a field of the wrong type, a figure that is
 not a non-negative integer) is one the proxy does not understand: its answer

@@ -17,6 +17,10 @@ from .failures import Truncated
 
 # A non-streamed answer whose usage is rewritten is read whole; larger is cut.
 MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
+# A streamed answer whose usage is rewritten goes on in whole lines (an event's
+# data line cut by a read would escape the rewrite); a line longer than this
+# goes on as it comes, unrewritten, rather than be held without bound.
+MAX_HELD_LINE_BYTES = 4 * 1024 * 1024
 
 
 async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
@@ -45,8 +49,10 @@ async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
     try:
         await response.deliver_body(delivery.deliver, responder.wait_for_client)
     except UpstreamError as exc:
+        delivery.release()  # decode's bytes, all of them, up to where it broke off
         raise Truncated(exc.detail, response.endpoint.label) from None
     delivery.first_byte()
+    delivery.release()
     await responder.end()
     metrics.decode_legs.inc("ok")
 
@@ -55,11 +61,17 @@ class _Delivery:
     """Each read of decode's body to the client (the first one timed); usage rewritten
     in the events that carry it when ``surface`` is set.
 
+    With ``surface`` set, what follows a read's last newline is held until the
+    line ends: a usage event's data line cut across two reads (TCP segments,
+    TLS records: routine on a real network) would otherwise reach the client
+    with decode's figure. vLLM writes whole events, so its reads end on a
+    newline and nothing is held; an SSE client can use no partial line anyway.
+
     An object with slots rather than a closure: a stream holds it for its whole
     life, and five cells, a tuple and a function cost three times its size.
     """
 
-    __slots__ = ("exchange", "responder", "histogram", "surface", "cached")
+    __slots__ = ("exchange", "responder", "histogram", "surface", "cached", "held")
 
     def __init__(self, exchange: Exchange, responder: ResponseWriter, histogram: Histogram,
                  surface: str | None, cached: int) -> None:
@@ -68,6 +80,7 @@ class _Delivery:
         self.histogram = histogram
         self.surface = surface
         self.cached = cached
+        self.held = b""  # a line begun in an earlier read (surface set only)
 
     def first_byte(self) -> None:
         exchange = self.exchange
@@ -79,9 +92,32 @@ class _Delivery:
         if self.exchange.first_byte_ms is None:
             self.first_byte()
         surface = self.surface
-        if surface is not None and carries_usage(surface, pieces):
-            pieces = [rewrite_events(surface, piece, self.cached) for piece in pieces]
+        if surface is not None:
+            if self.held or not pieces[-1].endswith(b"\n"):
+                pieces = self._whole_lines(pieces)
+                if not pieces:
+                    return False  # nothing to write yet: the client is not slow
+            if carries_usage(surface, pieces):
+                pieces = [rewrite_events(surface, piece, self.cached) for piece in pieces]
         return self.responder.relay(pieces)
+
+    def _whole_lines(self, pieces: list[bytes]) -> list[bytes]:
+        """The bytes up to the last newline, what follows held for the next read."""
+        data = self.held + b"".join(pieces)
+        cut = data.rfind(b"\n") + 1
+        if cut == 0 and len(data) <= MAX_HELD_LINE_BYTES:
+            self.held = data
+            return []
+        if cut == 0:  # a line beyond the bound: on as it is
+            cut = len(data)
+        self.held = data[cut:]
+        return [data[:cut]]
+
+    def release(self) -> None:
+        """What is held goes out as it is: decode's answer ended (or broke off) there."""
+        held, self.held = self.held, b""
+        if held:
+            self.responder.relay([held])
 
 
 async def _relay_rewritten(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,

@@ -11,6 +11,7 @@ decode that answers the hostile bytes.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import random
@@ -100,6 +101,7 @@ class HostileDecode:
 
     def __init__(self) -> None:
         self.usage = "{}"
+        self.cut = 0  # streamed: written in pieces of this many bytes, each read apart
         self.sent: list[bytes] = []
         self.backend = ScriptedBackend(self._answer)
 
@@ -111,8 +113,13 @@ class HostileDecode:
             await responder.send_bytes(200, raw)
             return
         await responder.start(200, [(b"content-type", b"text/event-stream; charset=utf-8")])
-        for event in raw.split(b"\n\n")[:-1]:  # one event per write, as vLLM writes
-            await responder.write(event + b"\n\n")
+        if self.cut:  # as TCP segments or TLS records may cut them on a real network
+            for start in range(0, len(raw), self.cut):
+                await responder.write(raw[start:start + self.cut])
+                await asyncio.sleep(0.003)  # its own read at the proxy
+        else:
+            for event in raw.split(b"\n\n")[:-1]:  # one event per write, as vLLM writes
+                await responder.write(event + b"\n\n")
         await responder.end()
 
 
@@ -157,6 +164,29 @@ async def test_usage_of_the_right_shape_is_still_rewritten(stream):
             assert reply.body != decode.sent[-1], path
             assert b'"cached_tokens":0' in reply.body or \
                 b'"cache_read_input_tokens":0' in reply.body, reply.body
+
+
+@pytest.mark.parametrize("cut", [7, 61])
+async def test_a_usage_event_cut_across_reads_is_still_rewritten(cut):
+    """A usage event's data line split over several reads is held until its newline,
+    then rewritten: every other byte of decode's stream goes on as it came."""
+    shapes = {CHAT_PATH: '{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":5}}',
+              COMPLETIONS_PATH: '{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":5}}',
+              RESPONSES_PATH: '{"input_tokens":5,"input_tokens_details":{"cached_tokens":5}}',
+              MESSAGES_PATH: '{"input_tokens":1,"cache_read_input_tokens":4}'}
+    surfaces = {CHAT_PATH: CHAT, COMPLETIONS_PATH: COMPLETIONS, RESPONSES_PATH: RESPONSES,
+                MESSAGES_PATH: MESSAGES}
+    async with cluster() as (proxy, decode):
+        decode.cut = cut
+        for path, usage in shapes.items():
+            decode.usage = usage
+            reply = await proxy.request("POST", path, dict(BODIES[path], stream=True))
+            assert reply.status == 200 and reply.complete, path
+            sent = decode.sent[-1]
+            assert b'"cached_tokens":0' in reply.body or \
+                b'"cache_read_input_tokens":0' in reply.body, (path, reply.body)
+            # The same bytes as the stream rewritten whole, in one read.
+            assert reply.body == rewrite_events(surfaces[path], sent, 0), path
 
 
 # -- the pure rewrite: total on whatever decode sends
