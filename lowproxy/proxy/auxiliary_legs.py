@@ -42,6 +42,10 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
     endpoint down; the status is the prefill's, when it answered.
     """
     status = None
+    if any(name == b"accept-encoding" for name, _ in headers):
+        # Prefill's answer is lowproxy's own to read (its kv_transfer_params, its
+        # usage, its refusal): a compressing hop must not encode it for the client.
+        headers = [header for header in headers if header[0] != b"accept-encoding"]
     try:
         with deadlines.within(timeout):
             response = await upstream.request(endpoint, b"POST", target, headers, body,
