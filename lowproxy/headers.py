@@ -114,8 +114,8 @@ def client_response_head(headers: Iterable[tuple[bytes, bytes]],
     """Decode's response headers as the client gets them, and decode's content-length.
 
     The content type is decode's (application/json when it sent none), or
-    text/event-stream for a request that asked to stream, whatever decode said
-    (as the GCO proxy answered). The length is kept so a body cut short shows,
+    text/event-stream for a request that asked to stream and was answered 2xx
+    (``streamed``), whatever decode said (as the GCO proxy answered). The length is kept so a body cut short shows,
     unless decode also sent Transfer-Encoding: then the body is framed by that
     and the length describes nothing (RFC 9112 section 6.3); relaying it would
     frame the client's body by a number the body does not match.

@@ -31,7 +31,11 @@ async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
     brought goes out in one write, and a slow client makes the relay stop
     reading from decode (back-pressure).
     """
-    headers, content_length = client_response_head(response.headers, exchange.wants_stream)
+    # A stream's success is labelled an event stream whatever decode said (as the
+    # GCO proxy does); its refusal keeps decode's own type: a JSON error labelled
+    # text/event-stream is an empty stream to SSE clients and unreadable to others.
+    headers, content_length = client_response_head(
+        response.headers, exchange.wants_stream and 200 <= response.status < 300)
     cached = exchange.prefill_cached_tokens
     surface = exchange.surface
     if cached is not None and surface is not None and 200 <= response.status < 300:

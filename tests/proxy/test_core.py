@@ -312,6 +312,26 @@ async def test_content_type_rules(stream, sent, expected):
         await backend.close()
 
 
+@pytest.mark.parametrize("status", [400, 500])
+async def test_a_streamed_requests_error_keeps_decodes_json_type(status):
+    """Only a stream's success is labelled text/event-stream: labelled so, decode's
+    JSON refusal would be an empty stream to SSE clients and unreadable to aiohttp."""
+    error = b'{"error":{"message":"bad","type":"BadRequestError","param":null,"code":400}}'
+
+    async def answer(request, responder):
+        await responder.send_bytes(status, error, [(b"content-type", b"application/json")])
+
+    backend, proxy_cm = await scripted_proxy(answer)
+    try:
+        async with proxy_cm as proxy:
+            reply = await proxy.request("POST", "/v1/completions", {"prompt": "x",
+                                                                    "stream": True})
+            assert reply.status == status and reply.body == error
+            assert reply.header_values("content-type") == [b"application/json"]
+    finally:
+        await backend.close()
+
+
 async def test_demo_stream_relayed_as_event_stream():
     async with pd_setup() as (proxy, prefill, decode):
         reply = await proxy.request("POST", "/v1/chat/completions", chat(stream=True))
