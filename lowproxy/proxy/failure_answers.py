@@ -42,13 +42,16 @@ async def answer_failure(config: Config, metrics: Metrics, exchange: Exchange,
             config.no_decode_message)
     elif isinstance(failure, DecodeFailed):
         error = failure.error
+        timed_out = isinstance(error, UpstreamTimeout)  # its head did not come in time
         metrics.decode_legs.inc("unreachable" if isinstance(error, UpstreamUnreachable)
-                                     else "error")
+                                else "timeout" if timed_out else "error")
         logs.warn(log, f"decode backend failed before answering ({error.reason}): "
                   f"{error.detail}", request_id,
                   backend=error.endpoint.label if error.endpoint else None)
-        status = 504 if isinstance(error, UpstreamTimeout) else 502
-        body = answers.decode_failed(status, anthropic)
+        # A timeout says so: "failed" would send the operator looking for a crash.
+        status = 504 if timed_out else 502
+        body = answers.decode_timed_out(anthropic) if timed_out else \
+            answers.decode_failed(status, anthropic)
     elif isinstance(failure, DecodeTimedOut):
         metrics.decode_legs.inc("timeout")
         logs.warn(log, f"decode did not finish within {config.decode_timeout:g}s",

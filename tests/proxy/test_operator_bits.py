@@ -21,7 +21,11 @@ async def test_decode_first_byte_timeout_is_a_504_naming_the_backend(caplog):
         async with running_proxy(config) as proxy:
             reply = await proxy.request("POST", CHAT, chat(), timeout=10)
             assert reply.status == 504
-            assert reply.json()["error"]["type"] == "upstream_error"
+            # Said to be a timeout, and counted as one, not as a failure.
+            assert reply.json()["error"]["type"] == "upstream_timeout"
+            assert reply.json()["error"]["message"] == "decode backend timed out"
+            metrics = (await proxy.request("GET", "/metrics")).body.decode()
+            assert 'lowproxy_decode_legs_total{outcome="timeout"} 1' in metrics, metrics
             await asyncio.sleep(0)
     finally:
         await decode.close()
