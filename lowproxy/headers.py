@@ -115,10 +115,11 @@ def client_response_head(headers: Iterable[tuple[bytes, bytes]],
 
     The content type is decode's (application/json when it sent none), or
     text/event-stream for a request that asked to stream and was answered 2xx
-    (``streamed``), whatever decode said (as the GCO proxy answered). The length is kept so a body cut short shows,
-    unless decode also sent Transfer-Encoding: then the body is framed by that
-    and the length describes nothing (RFC 9112 section 6.3); relaying it would
-    frame the client's body by a number the body does not match.
+    (``streamed``), whatever decode said (as the GCO proxy answered). The
+    length is kept so a body cut short shows, unless decode also sent
+    Transfer-Encoding: then the body is framed by that and the length describes
+    nothing (RFC 9112 section 6.3); relaying it would frame the client's body by
+    a number the body does not match.
     """
     headers = list(headers)
     content_length, _ = body_framing(headers)

@@ -35,6 +35,7 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
                            surface: str | None = None,
                            on_load: Callable[[bytes | None], None] | None = None,
                            while_waiting: Callable[[], None] | None = None,
+                           finish: str | None = None,
                            ) -> tuple[PrefillResult, int | None]:
     """One prefill leg and what its answer means; never raises for a backend failure.
 
@@ -59,7 +60,7 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
                 raw = await response.read(MAX_PREFILL_ANSWER_BYTES)
             finally:
                 await response.aclose()
-        return prefill_outcome(response.status, raw, want_kv, surface), status
+        return prefill_outcome(response.status, raw, want_kv, surface, finish), status
     except TimeoutError:
         return PrefillResult(False, "timeout",
                              detail=f"prefill did not answer within {timeout:g}s"), status

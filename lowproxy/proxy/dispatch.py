@@ -220,13 +220,14 @@ class Dispatcher:
                     prefill_closed = await self._close_prefill(exchange, plan, prefill_task)
                     return response
                 result = await watch.result(loop)
-                if result.ok and response is not None:
+                if result.ok and response is not None and result.outcome != "stopped":
                     # Committed: decode reads the KV prefill made.
                     exchange.prefill_cached_tokens = result.cached_tokens
                     return response
                 self._drop_decode(exchange, response, plan.abort_rids)
                 response = None
-                body = self._without_kv(exchange, plan, result)
+                body = self._recomputed(exchange, plan) if result.outcome == "stopped" \
+                    else self._without_kv(exchange, plan, result)
                 exchange.decode_started = None  # a new decode leg, its own timeout
                 answer = await self._open_decode_bounded(
                     exchange, responder, plan.method, plan.decode_target, body)
@@ -292,6 +293,12 @@ class Dispatcher:
             # An SGLang decode in disaggregation mode refuses a request without a
             # bootstrap room: it cannot recompute the prompt, whatever the policy.
             raise PrefillFailed(detail)
+        return self._recomputed(exchange, plan)
+
+    def _recomputed(self, exchange: Exchange, plan: Plan) -> bytes:
+        """Decode's body without transferred KV: it computes the prompt itself. Also
+        for a Mooncake prefill that stopped (nothing failed, whatever the policy: its
+        KV is gone, and only decode can still answer)."""
         self.metrics.prefill_legs.inc(exchange.handshake or "", "recompute")
         logs.warn(log, "decode will recompute the prompt without transferred KV",
                   exchange.request_id, handshake=exchange.handshake,
@@ -417,7 +424,10 @@ class Dispatcher:
                 plan.prefill_body, extra, want_kv, self.config.prefill_timeout, self.deadlines,
                 exchange.surface if self.config.rewrite_cached_tokens else None,
                 None if loads is None else lambda report: loads.orca(endpoint, report),
-                while_waiting)
+                while_waiting,
+                # Mooncake 0.16+: decode already waits for this KV, which a stopped
+                # prefill has freed.
+                exchange.surface if handshake == "mooncake" and not want_kv else None)
         finally:
             # Now, not when a stream that may last minutes ends: its prompt no
             # longer loads the prefill endpoint.
@@ -439,4 +449,7 @@ class Dispatcher:
             self.bootstrap.forget(endpoint)
             logs.warn(log, f"prefill leg failed ({result.outcome}): {result.detail}",
                       exchange.request_id, backend=endpoint.label, handshake=handshake)
+        elif result.outcome == "stopped":
+            logs.warn(log, f"prefill leg stopped: {result.detail}", exchange.request_id,
+                      backend=endpoint.label, handshake=handshake)
         return result

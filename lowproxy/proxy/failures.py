@@ -10,6 +10,7 @@ from typing import Any
 
 from ..handshakes.backend_json import MAX_PREFILL_ANSWER_BYTES, BadAnswer, strict_loads
 from ..handshakes.usage import cached_tokens_of, prompt_tokens_of
+from ..routes import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from ..upstream.errors import UpstreamError
 
 # Prefill statuses that say the request itself is wrong: relayed to the client.
@@ -90,11 +91,14 @@ class PrefillResult:
 
 
 def prefill_outcome(status: int, raw: bytes, want_kv: bool,
-                    surface: str | None = None) -> PrefillResult:
+                    surface: str | None = None, finish: str | None = None) -> PrefillResult:
     """What a prefill answer means for the decode leg (pure).
 
     ``want_kv``: relay, decode needs prefill's kv_transfer_params. ``surface``:
     read the prefill's cached-token figure from its usage (None: not wanted).
+    ``finish`` (Mooncake, the surface): an answer whose one token ended it as
+    stopped, not on the length cap, is outcome ``stopped``: Mooncake freed that
+    KV at once, and the decode waiting for it would wait 480 s for nothing.
     """
     if status in REFUSED_BY_PREFILL:
         return PrefillResult(False, "rejected", detail=f"prefill refused the request ({status})",
@@ -107,7 +111,7 @@ def prefill_outcome(status: int, raw: bytes, want_kv: bool,
                              "server is misconfigured (key, path or model), not the request")
     if not 200 <= status < 300:
         return PrefillResult(False, "error", detail=f"prefill answered {status}")
-    if not want_kv and surface is None:
+    if not want_kv and surface is None and finish is None:
         return PrefillResult(True, "ok")
     try:
         answer = strict_loads(raw, MAX_PREFILL_ANSWER_BYTES)
@@ -118,12 +122,33 @@ def prefill_outcome(status: int, raw: bytes, want_kv: bool,
             return PrefillResult(False, "error", detail=f"unusable prefill answer: {exc}")
         answer = {}  # concurrent: the KV is where it was planned; only usage is lost
     params = answer.get("kv_transfer_params") if want_kv else None
-    result = PrefillResult(True, "ok", params if isinstance(params, dict) else None)
+    stopped = finish is not None and finished_stopped(finish, answer)
+    result = PrefillResult(True, "stopped" if stopped else "ok",
+                           params if isinstance(params, dict) else None,
+                           detail="prefill's one token ended it as stopped (an EOS or stop "
+                           "token): Mooncake freed its KV" if stopped else "")
     if surface is not None:
         result.cached_tokens = cached_tokens_of(surface, answer)
         result.prompt_tokens = prompt_tokens_of(surface, answer)
     result.prompt_token_ids = answer.get("prompt_token_ids")
     return result
+
+
+def finished_stopped(surface: str, answer: dict[str, Any]) -> bool:
+    """Whether a (prefill) answer says it ended as stopped rather than on its length cap.
+
+    Only the stop values each surface names are taken: anything else (a shape
+    not known here) is a length-capped answer, whose KV Mooncake keeps.
+    """
+    if surface in (CHAT, COMPLETIONS):
+        choices = answer.get("choices")
+        first = choices[0] if isinstance(choices, list) and choices else None
+        return isinstance(first, dict) and first.get("finish_reason") == "stop"
+    if surface == MESSAGES:
+        return answer.get("stop_reason") in ("end_turn", "stop_sequence")
+    if surface == RESPONSES:  # capped at max_output_tokens it is "incomplete"
+        return answer.get("status") == "completed"
+    return False
 
 
 def _json_or_none(raw: bytes) -> bytes:

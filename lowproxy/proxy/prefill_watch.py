@@ -22,7 +22,11 @@ from .failures import PrefillResult
 
 
 def _failed(task: asyncio.Task[PrefillResult]) -> bool:
-    return task.cancelled() or task.exception() is not None or not task.result().ok
+    """No KV for decode: the leg failed, or (Mooncake) it stopped and its KV was freed."""
+    if task.cancelled() or task.exception() is not None:
+        return True
+    result = task.result()
+    return not result.ok or result.outcome == "stopped"
 
 
 class PrefillWatch:

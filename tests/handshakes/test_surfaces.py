@@ -315,16 +315,26 @@ async def test_prompt_token_ids_forwarded_only_when_asked(forward):
         assert decode.tokenization_skipped == (1 if forward else 0)
 
 
-async def test_messages_eos_first_token_loses_the_kv_under_mooncake():
+async def test_messages_eos_first_token_is_recomputed_under_mooncake():
     """vLLM drops unknown fields on /v1/messages: ignore_eos cannot be sent, so an
-    EOS first token on the prefill leg frees the KV (the README gives the rate)."""
-    prefill, decode = await start_pair(eos_first=1.0, kv_wait_timeout=0.2)
+    EOS first token on the prefill leg frees the KV (the README gives the rate). The
+    prefill's answer says so (stop_reason end_turn): the decode waiting for that KV
+    is closed and a new one computes the prompt, instead of waiting out Mooncake's
+    abort timeout (480 s; the demo's 5 s here) to fail."""
+    prefill, decode = await start_pair(eos_first=1.0, kv_wait_timeout=5.0)
     config = config_for(f"{prefill.url}#bootstrap_port={prefill.bootstrap_port}", decode.url,
                         kv_protocol="mooncake")
     try:
         async with running_proxy(config) as proxy:
-            await proxy.request("POST", MESSAGES_PATH, messages_body())
+            reply = await proxy.request("POST", MESSAGES_PATH, messages_body(), timeout=3)
+            assert reply.status == 200, reply.body
+            assert reply.json()["type"] == "message"
+            legs = decode.requests_to("/messages")
+            assert len(legs) == 2 and "kv_transfer_params" in legs[0].body
+            assert "kv_transfer_params" not in legs[1].body  # computed by decode itself
             await proxy.request("POST", "/v1/chat/completions", chat())
+            metrics = (await proxy.request("GET", "/metrics")).body.decode()
+            assert 'outcome="stopped"} 1' in metrics, metrics
             await asyncio.sleep(0)
         assert len(prefill.kv_dropped) == 1  # the Messages request's; chat has ignore_eos
     finally:
@@ -340,3 +350,26 @@ def test_route_and_surface_finds_the_surface_once_with_the_route():
     for method, path in ((b"POST", "/v1/completions"), (b"GET", "/healthz"),
                          (b"PUT", "/v1/instances/add")):
         assert route_and_surface(method, path)[0] == classify(method, path)
+
+
+@pytest.mark.parametrize("surface, answer, stopped", [
+    (CHAT, {"choices": [{"finish_reason": "stop"}]}, True),
+    (CHAT, {"choices": [{"finish_reason": "length"}]}, False),
+    (COMPLETIONS, {"choices": [{"finish_reason": "stop"}]}, True),
+    (CHAT, {"choices": []}, False),
+    (CHAT, {"choices": "stop"}, False),
+    (MESSAGES, {"stop_reason": "end_turn"}, True),
+    (MESSAGES, {"stop_reason": "stop_sequence"}, True),
+    (MESSAGES, {"stop_reason": "max_tokens"}, False),
+    (RESPONSES, {"status": "completed"}, True),
+    (RESPONSES, {"status": "incomplete"}, False),
+    (GENERATE, {"meta_info": {"finish_reason": {"type": "stop"}}}, False),  # not known
+])
+def test_a_prefill_answer_that_stopped_is_told_from_a_length_capped_one(surface, answer,
+                                                                        stopped):
+    from lowproxy.proxy.failures import finished_stopped, prefill_outcome
+    assert finished_stopped(surface, answer) is stopped
+    raw = json.dumps(answer).encode()
+    assert prefill_outcome(200, raw, False, None, surface).outcome == \
+        ("stopped" if stopped else "ok")
+    assert prefill_outcome(200, raw, False, None, None).outcome == "ok"  # not Mooncake
