@@ -58,6 +58,7 @@ class HealthMonitor:
         self.decode = decode
         self.backend_key = backend_key
         self.active = config.health_interval > 0
+        self.any_model_name = config.kv_protocol == "sglang"  # no 404 for a model name
         self.checking: dict[Endpoint, asyncio.Task[None]] = {}
         self.key_refused: set[Endpoint] = set()  # answered 401/403: warned about once
         self._loop_task: asyncio.Task[None] | None = None
@@ -219,12 +220,28 @@ class HealthMonitor:
                 if wait > 0:
                     await asyncio.sleep(wait)
                     continue  # another waiter may have begun one meanwhile
-                self._refresh_began = loop.time()
-                self._started += 1
-                self._refresh_number = self._started
-                task = self._refresh = loop.create_task(
-                    self._refresh_models(self._refresh_number))
+                task = self._begin_refresh(loop)
             await asyncio.shield(task)
+
+    def _begin_refresh(self, loop: asyncio.AbstractEventLoop) -> asyncio.Task[None]:
+        self._refresh_began = loop.time()
+        self._started += 1
+        self._refresh_number = self._started
+        task = self._refresh = loop.create_task(self._refresh_models(self._refresh_number))
+        return task
+
+    def _refresh_if_due(self) -> None:
+        """A refresh begun now, not waited for, unless one runs or began within the spacing.
+
+        A model already found missing is answered 404 at once; this lets a LoRA
+        adapter loaded since be found within about a second, not at the next
+        health round (PD_PROXY_HEALTH_INTERVAL_SECONDS).
+        """
+        if self._refresh is not None and not self._refresh.done():
+            return
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._refresh_began >= REFRESH_SPACING_SECONDS:
+            self._begin_refresh(loop)
 
     async def refuse(self, model: str | None, body: dict[str, Any], anthropic: bool = False
                      ) -> tuple[int, bytes] | None:
@@ -232,13 +249,17 @@ class HealthMonitor:
         decode = self.decode
         if not self.active or not decode.lists_known():
             return None
-        if model is not None and not decode.serves(model):
+        # SGLang checks no model name (it answers "default", its LoRA "base:adapter"
+        # names and any alias): the 404 is vLLM's rule, and only vLLM's.
+        if model is not None and not decode.serves(model) and not self.any_model_name:
             first = self._missing.setdefault(model, self._started)
             self._missing.move_to_end(model)
             while len(self._missing) > MISSING_KEPT:
                 self._missing.popitem(last=False)
             if self._done <= first:
                 await self.refreshed_after(first)
+            else:
+                self._refresh_if_due()  # it may have been loaded since
             if decode.lists_known() and not decode.serves(model):
                 return 404, answers.model_not_found(model, anthropic)
             self._missing.pop(model, None)
