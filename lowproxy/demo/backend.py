@@ -334,7 +334,7 @@ class DemoBackend:
         try:
             try:
                 parsed = parse_generate(body) if route == SGLANG_GENERATE \
-                    else parse(route, body)
+                    else parse(route, body, self.sglang_pd)
                 self._check_model(body, parsed)
                 result = await self._run(request, parsed, body)
             except Problem as problem:
@@ -352,7 +352,8 @@ class DemoBackend:
 
     def _check_model(self, body: dict[str, Any], parsed: Parsed) -> None:
         model = body.get("model")
-        if model is not None and model not in self.served_model_names and not self.any_model:
+        if model is not None and model not in self.served_model_names and not self.any_model \
+                and not self.sglang_pd:  # SGLang checks no model name
             raise Problem(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
         parsed.model = model or self.served_model_names[0]
         if not isinstance(previous := body.get("previous_response_id"), (str, type(None))):

@@ -204,15 +204,17 @@ def bounded(parsed: Parsed) -> Parsed:
     return parsed
 
 
-def parse(route: str, body: dict[str, Any]) -> Parsed:
-    """The request as the engine sees it; raises Problem where vLLM answers 400."""
-    return bounded(_parse(route, body))
+def parse(route: str, body: dict[str, Any], sglang: bool = False) -> Parsed:
+    """The request as the engine sees it; raises Problem where vLLM answers 400
+    (``sglang``: SGLang's server, which has not vLLM's request-model checks)."""
+    return bounded(_parse(route, body, sglang))
 
 
-def _parse(route: str, body: dict[str, Any]) -> Parsed:
+def _parse(route: str, body: dict[str, Any], sglang: bool = False) -> Parsed:
     stream = bool(body.get("stream"))
     if route in (CHAT, COMPLETIONS):
-        _openai_checks(body)
+        if not sglang:
+            _openai_checks(body)
         if route == CHAT:
             if "messages" not in body:
                 raise Problem(400, "messages is required", "messages")

@@ -53,13 +53,18 @@ def _new_room() -> int:
 
 
 def _refused_under_sglang(body: Body, surface: str) -> tuple[str, str] | None:
-    return sglang.too_many_children(surface, body) or decode_would_reject(body, surface)
+    return sglang.too_many_children(surface, body)
 
 
 def refusal_rules(kv_protocol: str) -> Callable[[Body, str], tuple[str, str] | None]:
-    """What answers a request 400 before either leg, as (param, message) or None:
-    one decode rejects (decode_would_reject), and under sglang also one SGLang
-    would make into more requests than lowproxy pairs (sglang.too_many_children).
+    """What answers a request 400 before either leg, as (param, message) or None.
+
+    vLLM's handshakes: one decode rejects in its request model though its
+    shaped prefill leg is accepted (decode_would_reject): that KV would stay
+    pinned. Under sglang both legs get the one body, so what SGLang rejects
+    both reject, and vLLM's rules would only refuse what SGLang accepts
+    (stream_options without stream, say); there the rule is one SGLang would
+    make into more requests than lowproxy pairs (sglang.too_many_children).
     Chosen once per handshake, so that the other handshakes pay no extra call."""
     return _refused_under_sglang if kv_protocol == "sglang" else decode_would_reject
 

@@ -189,3 +189,21 @@ async def test_client_going_away_aborts_decode():
         await wait_until(lambda: prefill.abort_requests == [rid], what="prefill aborted")
         assert pf.body["rid"] == rid
         assert prefill.abandoned == 0
+
+
+async def test_vllms_request_model_rules_do_not_refuse_what_sglang_accepts():
+    """vLLM's decode-would-reject rules guard a KV that vLLM's shaped prefill leg
+    computes for a request its decode refuses; under sglang both legs get the one
+    body, and SGLang takes stream_options without stream and prompt_logprobs with it."""
+    prefill, decode = await start_pair(sglang_pd=True)
+    try:
+        config = config_for(prefill.url, decode.url, kv_protocol="sglang")
+        async with running_proxy(config) as proxy:
+            for extra in ({"stream_options": {"include_usage": True}},
+                          {"stream": True, "prompt_logprobs": 1}):
+                reply = await proxy.request("POST", CHAT, chat(**extra))
+                assert reply.status == 200, (extra, reply.body)
+            assert len(prefill.requests_to("/chat/completions")) == 2
+    finally:
+        await prefill.close()
+        await decode.close()

@@ -56,14 +56,15 @@ async def test_a_model_found_missing_is_found_once_loaded_without_a_health_round
 async def test_under_sglang_no_model_name_is_refused_before_the_legs():
     """SGLang checks no model name ("default", its LoRA "base:adapter" names, aliases):
     the name goes to both legs, as through SGLang's own routers."""
-    prefill, decode = await start_pair(served_model_names=["m"])
+    prefill, decode = await start_pair(served_model_names=["m"], sglang_pd=True)
     try:
         config = config_for(prefill.url, decode.url, kv_protocol="sglang",
                             health_interval=60)
         async with running_proxy(config) as running:
             await wait_until(lambda: running.proxy.decode.lists_known(), 10, "lists known")
             for name in ("default", "m:my-lora", "gpt-4o"):
-                await running.request("POST", CHAT, chat(model=name))
+                reply = await running.request("POST", CHAT, chat(model=name))
+                assert reply.status == 200, (name, reply.body)
                 assert [leg.body["model"] for leg in prefill.requests_to("/chat/completions")
                         ][-1:] == [name], name
                 assert [leg.body["model"] for leg in decode.requests_to("/chat/completions")
