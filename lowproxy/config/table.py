@@ -10,6 +10,7 @@ from ..keys import header_safe
 from .flags import Setting
 from .values import (
     allow_list,
+    any_float,
     bool_value,
     choice,
     endpoints,
@@ -82,8 +83,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "residency_timeout", "PD_PROXY_RESIDENCY_TIMEOUT_SECONDS", "--residency-timeout",
-        seconds_value, "2", "accepted for compatibility with the GCO proxy; the residency "
-        "store is never on the request path",
+        any_float, "2", "accepted for compatibility with the GCO proxy (any number it "
+        "took, inf, nan and negatives included); the residency store is never on the "
+        "request path",
     ),
     Setting(
         "no_decode_status", "PD_PROXY_NO_DECODE_BACKEND_STATUS", "--no-decode-status",

@@ -57,6 +57,7 @@ def parse_endpoint(text: str) -> EndpointSpec:
     if discover:
         raw = raw[4:]
     scheme, sep, rest = raw.partition("://")
+    scheme = scheme.lower()  # RFC 3986 3.1: HTTP:// is http://, as httpx took it
     if not sep or scheme not in ("http", "https"):
         raise ValueError(f"{text.strip()!r} is not an http:// or https:// URL")
     authority, _, path = rest.partition("/")
@@ -116,6 +117,15 @@ def seconds_value(text: str) -> float:
     if not value >= 0 or value == float("inf"):
         raise ValueError(f"{text!r} must be a finite number >= 0")
     return value
+
+
+def any_float(text: str) -> float:
+    """A number as Python's float() reads it, inf, nan and negatives included: the GCO
+    proxy's parse of a setting it never uses, so every value it started with starts."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a number") from None
 
 
 def optional_seconds(text: str) -> float | None:

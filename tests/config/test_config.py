@@ -68,6 +68,19 @@ def test_trailing_slash_of_a_backend_url_is_ignored(url):
     assert decode.base_path == "" and decode.port == 8200
 
 
+@pytest.mark.parametrize("url", ["HTTP://decode.svc:8200", "Http://decode.svc:8200/"])
+def test_a_backend_urls_scheme_is_read_in_any_case(url):
+    # RFC 3986 3.1, and the GCO proxy's httpx: HTTP:// started there, so it starts here.
+    [decode] = load({"PD_PROXY_DECODE_URL": url}).decode
+    assert decode == parse_endpoint("http://decode.svc:8200")
+
+
+@pytest.mark.parametrize("value", ["inf", "nan", "-1", " 2 ", "1e3"])
+def test_the_unused_residency_timeout_takes_whatever_the_gco_proxy_took(value):
+    # float() there, and never used: a manifest saying inf must not crash-loop the pod.
+    load({"PD_PROXY_RESIDENCY_TIMEOUT_SECONDS": value})
+
+
 @pytest.mark.parametrize("url, reason", [
     ("http://p:1/engine/", "no path"), ("http://p:8000/v1", "no path"),
     ("http://p:8000?x=1", "no query"), ("http://p:8000/#frag", "unknown option"),

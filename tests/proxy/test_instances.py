@@ -51,6 +51,8 @@ async def test_add_without_a_type_is_the_gco_answer(body):
                                           ("GET", "/prefix/instances")])
 @pytest.mark.parametrize("key, headers", [("adm", []), ("adm", [("x-admin-api-key", "no")]),
                                           ("adm", [("authorization", "Bearer no")]),
+                                          ("adm", [("authorization", "no")]),
+                                          ("adm", [("authorization", "Basic adm")]),
                                           ("", [("x-admin-api-key", "")])])
 async def test_every_admin_path_needs_the_admin_key(method, path, key, headers):
     async with demo_backends(1) as [decode]:
@@ -71,6 +73,16 @@ async def test_a_wrong_method_is_405_and_never_forwarded(method, path, allowed):
             reply = await proxy.request(method, path, headers=ADMIN)
             assert reply.status == 405 and reply.header("allow") == allowed
             assert decode.received == []
+
+
+@pytest.mark.parametrize("authorization", ["adm", "Bearer adm", "bearer adm"])
+async def test_the_admin_key_is_taken_bare_in_authorization_as_the_gco_proxy_took_it(
+        authorization):
+    async with demo_backends(1) as [decode]:
+        async with running_proxy(config_for((), decode.url, admin_api_key="adm")) as proxy:
+            reply = await proxy.request("POST", "/instances/add", None,
+                                        headers=[("authorization", authorization)])
+            assert reply.status == 200 and reply.json() == {"status": "ok"}
 
 
 # -- add
