@@ -46,6 +46,7 @@ from .prefill_watch import PrefillWatch
 from .tracing import Tracing
 
 log = logging.getLogger("lowproxy.dispatch")
+NO_HEALTHY_DECODE = "no-healthy-decode"  # a skip reason: every decode failed its checks
 
 
 def _nobody_listens(exchange: Exchange) -> None:
@@ -132,6 +133,18 @@ class Dispatcher:
                                plan: Plan) -> UpstreamResponse:
         """Decode's response head, once any prefill leg has committed."""
         if plan.prefill is not None and plan.prefill_failure is None:
+            if not self.decode.candidates(exchange.model) and self.decode.endpoints \
+                    and not plan.abort_rids:
+                # Every decode failed its health checks: a KV computed now would most
+                # likely be read by nobody (and pinned for minutes). Decode is still
+                # tried, with the whole prompt: 503 if it is down, an answer if it
+                # just came back. Not under sglang, whose decode needs the room.
+                exchange.skip_reason = NO_HEALTHY_DECODE
+                self.metrics.prefill_legs.inc(exchange.handshake or "", "skipped",
+                                              NO_HEALTHY_DECODE)
+                return await self._open_decode_bounded(exchange, responder, plan.method,
+                                                       plan.decode_target,
+                                                       plan.fallback_body())
             if plan.concurrent:
                 return await self._concurrent(exchange, responder, plan)
             return await self._in_turn(exchange, responder, plan)

@@ -363,3 +363,36 @@ async def test_the_prefill_load_is_released_once_when_the_prefill_leg_ends_mid_s
         await decode.close()
         await prefill.close()
 
+
+
+@pytest.mark.parametrize("kv_protocol", ["relay", "mooncake"])
+async def test_no_prefill_leg_while_every_decode_fails_its_checks(kv_protocol):
+    """A KV computed while no decode is healthy would be read by nobody (pinned for
+    minutes under Mooncake): the prefill leg is skipped and decode is still tried with
+    the whole prompt, so the client gets the no-decode answer and prefill did nothing;
+    once decode is back, requests have both legs again."""
+    async with pd_backends(prefills=1) as ((prefill,), (decode,)):
+        port = decode.port
+        prefill_url = f"{prefill.url}#bootstrap_port={prefill.bootstrap_port}"
+        config = config_for(prefill_url, decode.url, kv_protocol=kv_protocol, **FAST)
+        async with running_proxy(config) as running:
+            await known(running)
+            await decode.close()
+            await wait_until(lambda: not running.proxy.decode.candidates(None), 5,
+                             "decode unhealthy")
+            for _ in range(3):
+                reply = await running.request("POST", CHAT, conversation(1))
+                assert reply.status == 503, reply.body
+            assert posts(prefill) == []
+            metrics = (await running.request("GET", "/metrics")).body.decode()
+            assert f'handshake="{kv_protocol}",outcome="skipped",reason="no-healthy-decode"' \
+                in metrics
+            back = await DemoBackend("decode", registry=prefill.registry).start(
+                port=port, bootstrap_port=None)
+            try:
+                await wait_until(lambda: bool(running.proxy.decode.candidates(None)), 5,
+                                 "decode healthy again")
+                reply = await running.request("POST", CHAT, conversation(2))
+                assert reply.status == 200 and len(posts(prefill)) == 1
+            finally:
+                await back.close()
