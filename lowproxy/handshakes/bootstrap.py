@@ -5,6 +5,10 @@ vLLM 0.16+ prefill runs a bootstrap server (rank 0 worker, plain HTTP) whose
 the engine id of the rank that computed the KV. Engine ids are random per
 start, so the answer is cached per prefill endpoint (LRU, bounded) and dropped
 when a request to that endpoint fails: a restarted prefill has new ids.
+
+The key is the Endpoint object, not its address: an instance removed and added
+again (admin.py), or a dns+ address that left the answer and came back, is a new
+Endpoint, so a new server at an old address starts with no map of the old one's.
 """
 
 from __future__ import annotations
@@ -64,8 +68,8 @@ class BootstrapCache:
                  on_query: Callable[[float, bool], None] | None = None) -> None:
         self.upstream = upstream
         self.default_port = default_port
-        self._maps: OrderedDict[str, EngineMap] = OrderedDict()
-        self._queries: dict[str, asyncio.Future[EngineMap]] = {}
+        self._maps: OrderedDict[Endpoint, EngineMap] = OrderedDict()
+        self._queries: dict[Endpoint, asyncio.Future[EngineMap]] = {}
         # Bootstrap servers are plain-HTTP endpoints of their own (pooled like any).
         self._servers: OrderedDict[str, Endpoint] = OrderedDict()
         self._on_query = on_query
@@ -85,14 +89,13 @@ class BootstrapCache:
         return f"http://{host}:{self.bootstrap_port(endpoint)}"
 
     def forget(self, endpoint: Endpoint) -> None:
-        self._maps.pop(endpoint.label, None)
+        self._maps.pop(endpoint, None)
 
     def cached(self, endpoint: Endpoint) -> EngineMap | None:
         """The endpoint's engine map if it is cached (nearly always): no coroutine to await."""
-        key = endpoint.label
-        cached = self._maps.get(key)
+        cached = self._maps.get(endpoint)
         if cached is not None:
-            self._maps.move_to_end(key)
+            self._maps.move_to_end(endpoint)
         return cached
 
     async def engines(self, endpoint: Endpoint) -> EngineMap:
@@ -100,17 +103,16 @@ class BootstrapCache:
         cached = self.cached(endpoint)
         if cached is not None:
             return cached
-        key = endpoint.label
-        pending = self._queries.get(key)
+        pending = self._queries.get(endpoint)
         if pending is None:
             pending = asyncio.ensure_future(self._query(endpoint))
-            self._queries[key] = pending
-            pending.add_done_callback(partial(self._query_done, key))
+            self._queries[endpoint] = pending
+            pending.add_done_callback(partial(self._query_done, endpoint))
         # Shielded: one client leaving must not cancel a query others wait on.
         return await asyncio.shield(pending)
 
-    def _query_done(self, key: str, future: asyncio.Future[EngineMap]) -> None:
-        self._queries.pop(key, None)
+    def _query_done(self, endpoint: Endpoint, future: asyncio.Future[EngineMap]) -> None:
+        self._queries.pop(endpoint, None)
         # Every waiter may have left (clients gone) before a failed query ended:
         # its error is then nobody's, and asyncio would print it with a traceback
         # at collection. Each waiter that stayed raises it from shield() itself.
@@ -132,7 +134,7 @@ class BootstrapCache:
             if self._on_query is not None:
                 self._on_query(loop.time() - started, ok)
         engine_map.bootstrap_addr = self.bootstrap_addr(endpoint)  # once, not per request
-        self._maps[endpoint.label] = engine_map
+        self._maps[endpoint] = engine_map
         while len(self._maps) > CACHE_ENTRIES:
             self._maps.popitem(last=False)
         return engine_map

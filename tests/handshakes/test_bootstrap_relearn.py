@@ -1,0 +1,93 @@
+"""A prefill replaced at the same address: its Mooncake engine map is learned again.
+
+vLLM's engine ids are new uuids on every start. The demo prefill keeps the KV
+under the engine id of the rank that computed it and the demo decode fails
+(500) when told another one, as a real decode fails or waits out its KV
+timeout: so a stale map shows as a 500 to the client, a fresh one as a 200
+whose decode leg names the new engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, AsyncIterator
+
+from helpers import CHAT, chat, config_for, running_proxy
+from lowproxy.demo import DemoBackend, start_pair
+
+ADMIN = [("x-admin-api-key", "adm")]
+
+
+def engine_told_to_decode(decode: DemoBackend) -> str:
+    return decode.requests_to("/chat/completions")[-1].body["kv_transfer_params"][
+        "remote_engine_id"]
+
+
+async def replaced(prefill: DemoBackend) -> DemoBackend:
+    """The prefill stopped and a new one started on its two ports: new engine ids."""
+    await prefill.close()
+    fresh = DemoBackend("prefill", registry=prefill.registry)
+    return await fresh.start(port=prefill.port, bootstrap_port=prefill.bootstrap_port)
+
+
+@contextlib.asynccontextmanager
+async def pair() -> AsyncIterator[tuple[list[DemoBackend], DemoBackend]]:
+    """[prefill] (the test may swap in its replacement) and decode, closed after."""
+    prefill, decode = await start_pair()
+    prefills = [prefill]
+    try:
+        yield prefills, decode
+    finally:
+        for backend in (*prefills, decode):
+            await backend.close()
+
+
+async def served_by(proxy: Any, prefill: DemoBackend, decode: DemoBackend) -> None:
+    reply = await proxy.request("POST", CHAT, chat())
+    assert reply.status == 200, reply.body  # a stale engine id makes decode fail
+    assert engine_told_to_decode(decode) == prefill.engine_ids["0"]
+
+
+# -- (b) a new Endpoint, a new map
+
+
+async def test_an_instance_removed_and_added_again_at_its_address_is_queried_anew():
+    async with pair() as (prefills, decode):
+        instance = f"{prefills[0].url}#bootstrap_port={prefills[0].bootstrap_port}"
+        config = config_for(instance, decode.url, kv_protocol="mooncake", admin_api_key="adm")
+        async with running_proxy(config) as proxy:
+            await served_by(proxy, prefills[0], decode)
+            body = {"type": "prefill", "instance": instance}
+            assert (await proxy.request("POST", "/instances/remove", body,
+                                        headers=ADMIN)).status == 200
+            prefills[0] = await replaced(prefills[0])
+            assert (await proxy.request("POST", "/instances/add", body,
+                                        headers=ADMIN)).status == 200
+            await served_by(proxy, prefills[0], decode)
+            assert prefills[0].bootstrap_queries == 1
+
+
+class Resolver:
+    def __init__(self, *addresses: str) -> None:
+        self.addresses = list(addresses)
+
+    async def __call__(self, host: str, port: int) -> list[str]:
+        return list(self.addresses)
+
+
+async def test_a_dns_address_that_left_and_came_back_is_queried_anew():
+    """A pod went away and a new one got its address (a headless Service's answer)."""
+    async with pair() as (prefills, decode):
+        resolver = Resolver("127.0.0.1")
+        config = config_for(f"dns+http://prefill.svc:{prefills[0].port}"
+                            f"#bootstrap_port={prefills[0].bootstrap_port}", decode.url,
+                            kv_protocol="mooncake")
+        async with running_proxy(config, resolver=resolver) as proxy:
+            await served_by(proxy, prefills[0], decode)
+            resolver.addresses = []
+            await proxy.proxy.refresh_discovery()
+            prefills[0] = await replaced(prefills[0])
+            resolver.addresses = ["127.0.0.1"]
+            await proxy.proxy.refresh_discovery()
+            await served_by(proxy, prefills[0], decode)
+            assert prefills[0].bootstrap_queries == 1
