@@ -4,7 +4,10 @@ vLLM 0.16+ prefill runs a bootstrap server (rank 0 worker, plain HTTP) whose
 ``GET /query`` answers ``{"<rank>": {"engine_id": ...}, ...}``. Decode needs
 the engine id of the rank that computed the KV. Engine ids are random per
 start, so the answer is cached per prefill endpoint (LRU, bounded) and dropped
-when a request to that endpoint fails: a restarted prefill has new ids.
+when a request to that endpoint fails: a restarted prefill has new ids. A
+health check that fails drops it too, and so does the first that passes after
+one failed (health.py): either may be a restart no request saw, and the pass
+asks for the new map at once, in the background.
 
 The key is the Endpoint object, not its address: an instance removed and added
 again (admin.py), or a dns+ address that left the answer and came back, is a new
@@ -64,8 +67,13 @@ def parse_query_answer(raw: bytes) -> dict[str, str]:
 
 
 class BootstrapCache:
+    """The engine maps of the prefill endpoints, and the queries that learn them.
+
+    ``on_query(seconds, "ok" | "error")`` is told of every query that ended.
+    """
+
     def __init__(self, upstream: Upstream, default_port: int,
-                 on_query: Callable[[float, bool], None] | None = None) -> None:
+                 on_query: Callable[[float, str], None] | None = None) -> None:
         self.upstream = upstream
         self.default_port = default_port
         self._maps: OrderedDict[Endpoint, EngineMap] = OrderedDict()
@@ -89,7 +97,26 @@ class BootstrapCache:
         return f"http://{host}:{self.bootstrap_port(endpoint)}"
 
     def forget(self, endpoint: Endpoint) -> None:
+        """Drop the endpoint's map: a prefill leg to it failed, or a health check did.
+
+        A query under way is disowned: its answer may come from the server that
+        is going away, so it serves only the requests already waiting for it and
+        is not kept; the next request asks again.
+        """
         self._maps.pop(endpoint, None)
+        self._queries.pop(endpoint, None)
+
+    def health_checked(self, endpoint: Endpoint, passed: bool) -> None:
+        """A health check of the prefill ``endpoint`` failed, or passed after one failed.
+
+        Either may be a restart (new engine ids), so what the endpoint answered
+        before is dropped. After a pass the server is back: its map is asked for
+        now, so that the next request finds it (or waits on this query) rather
+        than being told the ids of the engine that went away.
+        """
+        self.forget(endpoint)
+        if passed:
+            self._start_query(endpoint)
 
     def cached(self, endpoint: Endpoint) -> EngineMap | None:
         """The endpoint's engine map if it is cached (nearly always): no coroutine to await."""
@@ -105,14 +132,23 @@ class BootstrapCache:
             return cached
         pending = self._queries.get(endpoint)
         if pending is None:
-            pending = asyncio.ensure_future(self._query(endpoint))
-            self._queries[endpoint] = pending
-            pending.add_done_callback(partial(self._query_done, endpoint))
+            pending = self._start_query(endpoint)
         # Shielded: one client leaving must not cancel a query others wait on.
         return await asyncio.shield(pending)
 
+    def _start_query(self, endpoint: Endpoint) -> asyncio.Future[EngineMap]:
+        pending = asyncio.ensure_future(self._query(endpoint))
+        self._queries[endpoint] = pending
+        pending.add_done_callback(partial(self._query_done, endpoint))
+        return pending
+
+    def _owns(self, endpoint: Endpoint) -> bool:
+        """Whether the running query is still the endpoint's (forget() disowns it)."""
+        return self._queries.get(endpoint) is asyncio.current_task()
+
     def _query_done(self, endpoint: Endpoint, future: asyncio.Future[EngineMap]) -> None:
-        self._queries.pop(endpoint, None)
+        if self._queries.get(endpoint) is future:
+            del self._queries[endpoint]
         # Every waiter may have left (clients gone) before a failed query ended:
         # its error is then nobody's, and asyncio would print it with a traceback
         # at collection. Each waiter that stayed raises it from shield() itself.
@@ -132,8 +168,10 @@ class BootstrapCache:
                                  f"within {QUERY_TIMEOUT_SECONDS:g}s") from None
         finally:
             if self._on_query is not None:
-                self._on_query(loop.time() - started, ok)
+                self._on_query(loop.time() - started, "ok" if ok else "error")
         engine_map.bootstrap_addr = self.bootstrap_addr(endpoint)  # once, not per request
+        if not self._owns(endpoint):
+            return engine_map  # forgotten meanwhile: for its waiters only
         self._maps[endpoint] = engine_map
         while len(self._maps) > CACHE_ENTRIES:
             self._maps.popitem(last=False)

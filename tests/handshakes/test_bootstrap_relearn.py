@@ -9,11 +9,15 @@ whose decode leg names the new engine.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from typing import Any, AsyncIterator
 
-from helpers import CHAT, chat, config_for, running_proxy
+from helpers import CHAT, chat, config_for, pd_setup, running_proxy, wait_until
+from lowproxy.config import parse_endpoint
 from lowproxy.demo import DemoBackend, start_pair
+from lowproxy.handshakes.bootstrap import BootstrapCache, EngineMap
+from lowproxy.upstream import Endpoint
 
 ADMIN = [("x-admin-api-key", "adm")]
 
@@ -91,3 +95,80 @@ async def test_a_dns_address_that_left_and_came_back_is_queried_anew():
             await proxy.proxy.refresh_discovery()
             await served_by(proxy, prefills[0], decode)
             assert prefills[0].bootstrap_queries == 1
+
+
+# -- (a) a restart the health checks saw
+
+
+async def test_a_prefill_whose_check_failed_then_passed_is_queried_anew():
+    """It went out and came back (a restart) while no request reached it."""
+    async with pd_setup("mooncake", health_interval=0.05) as (proxy, prefill, decode):
+        await served_by(proxy, prefill, decode)
+        [endpoint] = proxy.proxy.prefill.endpoints
+        checks = proxy.proxy.prefill.failed_checks
+        prefill.dead = "restarting"  # /health answers 503
+        await wait_until(lambda: checks.get(endpoint), what="a failed check")
+        assert len(proxy.proxy.bootstrap) == 0  # dropped: it may be restarting
+        prefill.restart_engines()  # back, with new engine ids
+        await wait_until(lambda: checks.get(endpoint) == 0, what="a passing check")
+        # The pass asked for the new map at once: no request waits for it.
+        await wait_until(lambda: len(proxy.proxy.bootstrap) == 1, what="the new map")
+        await served_by(proxy, prefill, decode)
+        # Checks that pass after a pass ask nothing.
+        checked = len(prefill.requests_to("/health"))
+        await wait_until(lambda: len(prefill.requests_to("/health")) >= checked + 3,
+                         what="three more checks")
+        assert prefill.bootstrap_queries == 2
+
+
+# -- units: the cache's own rules
+
+
+class GatedQueries:
+    """Stands in for BootstrapCache._fetch: each query answers the current engine id
+    once the gate opens."""
+
+    def __init__(self) -> None:
+        self.engine = "a"
+        self.calls = 0
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def __call__(self, endpoint: Endpoint) -> EngineMap:
+        self.calls += 1
+        engine = self.engine
+        await self.gate.wait()
+        return EngineMap({"0": engine})
+
+
+def gated_cache(monkeypatch: Any) -> tuple[BootstrapCache, GatedQueries, Endpoint]:
+    cache = BootstrapCache(upstream=None, default_port=8998)  # type: ignore[arg-type]
+    fake = GatedQueries()
+    monkeypatch.setattr(cache, "_fetch", fake)
+    return cache, fake, Endpoint(parse_endpoint("http://p:1"))
+
+
+async def test_a_query_under_way_when_the_map_is_forgotten_is_not_kept(monkeypatch):
+    cache, fake, endpoint = gated_cache(monkeypatch)
+    fake.gate.clear()
+    waiting = asyncio.ensure_future(cache.engines(endpoint))
+    await asyncio.sleep(0)
+    cache.forget(endpoint)  # a check failed while the old server was being asked
+    fake.gate.set()
+    assert (await waiting).engine_ids == {"0": "a"}  # its waiter still has an answer
+    assert cache.cached(endpoint) is None
+    fake.engine = "b"
+    assert (await cache.engines(endpoint)).engine_ids == {"0": "b"}
+    assert fake.calls == 2
+
+
+async def test_a_check_passing_after_a_failure_asks_at_once(monkeypatch):
+    cache, fake, endpoint = gated_cache(monkeypatch)
+    await cache.engines(endpoint)
+    cache.health_checked(endpoint, passed=False)
+    assert cache.cached(endpoint) is None and fake.calls == 1  # nothing asked of it
+    fake.engine = "b"
+    cache.health_checked(endpoint, passed=True)
+    await asyncio.sleep(0)
+    assert fake.calls == 2
+    assert (await cache.engines(endpoint)).engine_ids == {"0": "b"} and fake.calls == 2
