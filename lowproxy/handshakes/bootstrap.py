@@ -9,6 +9,16 @@ health check that fails drops it too, and so does the first that passes after
 one failed (health.py): either may be a restart no request saw, and the pass
 asks for the new map at once, in the background.
 
+A map in use is asked for again REFRESH_SECONDS after it was learned, in the
+background: requests go on with the map they have until the answer comes, and
+a different answer is used from then on. That bounds how long decode can be
+told the ids of an engine that restarted unseen (checks off, a scheduler-named
+target, which is not checked, an address reused between two checks). A map no
+request read for a whole period is dropped instead (an instance removed, a
+target no longer named): its next request asks, as a first one does. A refresh
+that fails drops the map as well: decode asks that same server where the
+engine's workers are, so a map it cannot confirm is no use to a new request.
+
 The key is the Endpoint object, not its address: an instance removed and added
 again (admin.py), or a dns+ address that left the answer and came back, is a new
 Endpoint, so a new server at an old address starts with no map of the old one's.
@@ -17,6 +27,7 @@ Endpoint, so a new server at an old address starts with no map of the old one's.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 from functools import partial
 from typing import Callable
@@ -30,6 +41,15 @@ from .backend_json import MAX_QUERY_ANSWER_BYTES, BadAnswer, query_engine_ids
 QUERY_TIMEOUT_SECONDS = 5.0  # as llm-d's sidecar and vLLM's own bound
 CACHE_ENTRIES = 1024
 MAX_ANSWER_BYTES = MAX_QUERY_ANSWER_BYTES
+# How long a map may go unconfirmed. Every request to a prefill that restarted
+# unseen is lost until its map is learned again (decode waits for KV of an
+# engine that is gone: up to 480 s), so seconds, not minutes; a query is a few
+# hundred bytes, and one per prefill in use each 10 s is a quarter of what the
+# health checks already send (two GETs each 5 s). vLLM takes tens of seconds to
+# start, so a restart is nearly always seen first by a failed check or leg.
+REFRESH_SECONDS = 10.0
+
+log = logging.getLogger("lowproxy.bootstrap")
 
 
 class BootstrapError(Exception):
@@ -39,13 +59,15 @@ class BootstrapError(Exception):
 class EngineMap:
     """One prefill endpoint's ranks and engine ids, and whose turn is next."""
 
-    __slots__ = ("ranks", "engine_ids", "bootstrap_addr", "_turn")
+    __slots__ = ("ranks", "engine_ids", "bootstrap_addr", "_turn", "used", "refresh")
 
     def __init__(self, engines: dict[str, str]) -> None:
         self.ranks = sorted(engines, key=lambda rank: (len(rank), rank))
         self.engine_ids = engines
         self.bootstrap_addr = ""  # decode's remote_bootstrap_addr, set once it is cached
         self._turn = 0
+        self.used = False  # read by a request since its last refresh began
+        self.refresh: asyncio.TimerHandle | None = None  # when it is asked for again
 
     def next_rank(self) -> tuple[str, str]:
         """Spread prefill load over the ranks, in turn."""
@@ -78,6 +100,7 @@ class BootstrapCache:
         self.default_port = default_port
         self._maps: OrderedDict[Endpoint, EngineMap] = OrderedDict()
         self._queries: dict[Endpoint, asyncio.Future[EngineMap]] = {}
+        self._running: set[asyncio.Future[EngineMap]] = set()  # disowned ones too
         # Bootstrap servers are plain-HTTP endpoints of their own (pooled like any).
         self._servers: OrderedDict[str, Endpoint] = OrderedDict()
         self._on_query = on_query
@@ -103,7 +126,7 @@ class BootstrapCache:
         is going away, so it serves only the requests already waiting for it and
         is not kept; the next request asks again.
         """
-        self._maps.pop(endpoint, None)
+        self._drop(endpoint)
         self._queries.pop(endpoint, None)
 
     def health_checked(self, endpoint: Endpoint, passed: bool) -> None:
@@ -122,7 +145,7 @@ class BootstrapCache:
         """The endpoint's engine map if it is cached (nearly always): no coroutine to await."""
         cached = self._maps.get(endpoint)
         if cached is not None:
-            self._maps.move_to_end(endpoint)
+            cached.used = True  # kept fresh (see _refresh_due); the bound goes by learning
         return cached
 
     async def engines(self, endpoint: Endpoint) -> EngineMap:
@@ -137,8 +160,9 @@ class BootstrapCache:
         return await asyncio.shield(pending)
 
     def _start_query(self, endpoint: Endpoint) -> asyncio.Future[EngineMap]:
-        pending = asyncio.ensure_future(self._query(endpoint))
+        pending = asyncio.get_running_loop().create_task(self._query(endpoint))
         self._queries[endpoint] = pending
+        self._running.add(pending)
         pending.add_done_callback(partial(self._query_done, endpoint))
         return pending
 
@@ -147,6 +171,7 @@ class BootstrapCache:
         return self._queries.get(endpoint) is asyncio.current_task()
 
     def _query_done(self, endpoint: Endpoint, future: asyncio.Future[EngineMap]) -> None:
+        self._running.discard(future)
         if self._queries.get(endpoint) is future:
             del self._queries[endpoint]
         # Every waiter may have left (clients gone) before a failed query ended:
@@ -156,6 +181,18 @@ class BootstrapCache:
             future.exception()
 
     async def _query(self, endpoint: Endpoint) -> EngineMap:
+        try:
+            engine_map = await self._timed_fetch(endpoint)
+        except BootstrapError as exc:
+            if self._owns(endpoint) and self._drop(endpoint):
+                log.warning("%s: refreshing the Mooncake engine map failed, dropped: %s",
+                            endpoint.label, exc)
+            raise
+        if not self._owns(endpoint):
+            return engine_map  # forgotten meanwhile: for its waiters only
+        return self._learned(endpoint, engine_map)
+
+    async def _timed_fetch(self, endpoint: Endpoint) -> EngineMap:
         loop = asyncio.get_running_loop()
         started = loop.time()
         ok = False
@@ -170,12 +207,61 @@ class BootstrapCache:
             if self._on_query is not None:
                 self._on_query(loop.time() - started, "ok" if ok else "error")
         engine_map.bootstrap_addr = self.bootstrap_addr(endpoint)  # once, not per request
-        if not self._owns(endpoint):
-            return engine_map  # forgotten meanwhile: for its waiters only
-        self._maps[endpoint] = engine_map
-        while len(self._maps) > CACHE_ENTRIES:
-            self._maps.popitem(last=False)
         return engine_map
+
+    def _learned(self, endpoint: Endpoint, fresh: EngineMap) -> EngineMap:
+        """Keep what a query answered; the map requests read from now on."""
+        old = self._maps.pop(endpoint, None)
+        if old is not None:
+            if old.refresh is not None:
+                old.refresh.cancel()
+            if old.engine_ids == fresh.engine_ids:
+                fresh = old  # the same start: its turn over the ranks goes on
+            else:
+                fresh.used = old.used
+                log.info("%s answered new Mooncake engine ids (the prefill restarted): "
+                         "used from now on", endpoint.label)
+        self._maps[endpoint] = fresh  # last: the bound drops the least recently learned
+        fresh.refresh = asyncio.get_running_loop().call_later(
+            REFRESH_SECONDS, self._refresh_due, endpoint, fresh)
+        while len(self._maps) > CACHE_ENTRIES:
+            _, evicted = self._maps.popitem(last=False)
+            if evicted.refresh is not None:
+                evicted.refresh.cancel()
+        return fresh
+
+    def _refresh_due(self, endpoint: Endpoint, engine_map: EngineMap) -> None:
+        """REFRESH_SECONDS after ``engine_map`` was learned: ask again, or let it go."""
+        engine_map.refresh = None
+        if self._maps.get(endpoint) is not engine_map:
+            return
+        if not engine_map.used:
+            del self._maps[endpoint]  # nobody read it: nobody needs it kept fresh
+            return
+        engine_map.used = False
+        if endpoint not in self._queries:
+            self._start_query(endpoint)  # meanwhile requests read the map they have
+
+    def _drop(self, endpoint: Endpoint) -> bool:
+        """Drop the endpoint's map, if it has one (and its refresh)."""
+        engine_map = self._maps.pop(endpoint, None)
+        if engine_map is None:
+            return False
+        if engine_map.refresh is not None:
+            engine_map.refresh.cancel()
+        return True
+
+    async def close(self) -> None:
+        """No more refreshes; queries under way are cancelled."""
+        for engine_map in self._maps.values():
+            if engine_map.refresh is not None:
+                engine_map.refresh.cancel()
+        pending = list(self._running)
+        self._queries.clear()
+        for query in pending:
+            query.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=1.0)
 
     async def _fetch(self, endpoint: Endpoint) -> EngineMap:
         address = f"{endpoint.bootstrap_host}:{self.bootstrap_port(endpoint)}"

@@ -165,6 +165,7 @@ class Proxy:
         if self.worker_share is not None:
             self.worker_share.close()
         await self.dispatch.close(grace)
+        await self.bootstrap.close()
         for endpoint in self.all_endpoints():
             self.upstream.close_idle(endpoint)
 

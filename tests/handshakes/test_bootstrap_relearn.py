@@ -16,7 +16,8 @@ from typing import Any, AsyncIterator
 from helpers import CHAT, chat, config_for, pd_setup, running_proxy, wait_until
 from lowproxy.config import parse_endpoint
 from lowproxy.demo import DemoBackend, start_pair
-from lowproxy.handshakes.bootstrap import BootstrapCache, EngineMap
+from lowproxy.handshakes import bootstrap
+from lowproxy.handshakes.bootstrap import BootstrapCache, BootstrapError, EngineMap
 from lowproxy.upstream import Endpoint
 
 ADMIN = [("x-admin-api-key", "adm")]
@@ -121,6 +122,23 @@ async def test_a_prefill_whose_check_failed_then_passed_is_queried_anew():
         assert prefill.bootstrap_queries == 2
 
 
+# -- (c) a restart nothing saw: the map in use is asked for again
+
+
+async def test_a_restart_no_check_and_no_request_saw_is_learned_within_the_refresh_period(
+        monkeypatch):
+    monkeypatch.setattr(bootstrap, "REFRESH_SECONDS", 0.2)
+    async with pd_setup("mooncake") as (proxy, prefill, decode):  # health checks off
+        await served_by(proxy, prefill, decode)
+        await served_by(proxy, prefill, decode)  # read from the cache: in use
+        prefill.restart_engines()  # a fast restart: nothing failed
+        await wait_until(lambda: prefill.bootstrap_queries == 2, what="the refresh")
+        await wait_until(lambda: proxy.proxy.bootstrap.cached(proxy.proxy.prefill.endpoints[0])
+                         .engine_ids == prefill.engine_ids, what="the new map kept")
+        await served_by(proxy, prefill, decode)
+        assert prefill.bootstrap_queries == 2  # the request did not ask: it was learned
+
+
 # -- units: the cache's own rules
 
 
@@ -131,6 +149,7 @@ class GatedQueries:
     def __init__(self) -> None:
         self.engine = "a"
         self.calls = 0
+        self.fail = False
         self.gate = asyncio.Event()
         self.gate.set()
 
@@ -138,6 +157,8 @@ class GatedQueries:
         self.calls += 1
         engine = self.engine
         await self.gate.wait()
+        if self.fail:
+            raise BootstrapError("down")
         return EngineMap({"0": engine})
 
 
@@ -172,3 +193,49 @@ async def test_a_check_passing_after_a_failure_asks_at_once(monkeypatch):
     await asyncio.sleep(0)
     assert fake.calls == 2
     assert (await cache.engines(endpoint)).engine_ids == {"0": "b"} and fake.calls == 2
+
+
+async def test_a_refresh_serves_the_old_map_until_the_new_one_answers(monkeypatch):
+    monkeypatch.setattr(bootstrap, "REFRESH_SECONDS", 0.05)
+    cache, fake, endpoint = gated_cache(monkeypatch)
+    await cache.engines(endpoint)
+    old = cache.cached(endpoint)  # read by a request: kept fresh
+    fake.gate.clear()
+    fake.engine = "b"  # it restarted
+    await wait_until(lambda: fake.calls == 2, what="the refresh")
+    # Under way: requests neither wait nor are told nothing.
+    assert cache.cached(endpoint) is old
+    assert await asyncio.wait_for(cache.engines(endpoint), 0.01) is old
+    fake.gate.set()
+    await wait_until(lambda: cache.cached(endpoint).engine_ids == {"0": "b"},
+                     what="the new map")
+    await cache.close()
+
+
+async def test_a_refresh_that_answers_the_same_keeps_the_turn_over_the_ranks(monkeypatch):
+    monkeypatch.setattr(bootstrap, "REFRESH_SECONDS", 0.05)
+    cache, fake, endpoint = gated_cache(monkeypatch)
+    engines = await cache.engines(endpoint)
+    assert cache.cached(endpoint) is engines
+    await wait_until(lambda: fake.calls == 2, what="the refresh")
+    await asyncio.sleep(0)
+    assert cache.cached(endpoint) is engines
+    await cache.close()
+
+
+async def test_a_map_no_request_read_is_dropped_not_refreshed(monkeypatch):
+    monkeypatch.setattr(bootstrap, "REFRESH_SECONDS", 0.05)
+    cache, fake, endpoint = gated_cache(monkeypatch)
+    await cache.engines(endpoint)  # the query's own waiter: not a read of the cache
+    await wait_until(lambda: len(cache) == 0, what="the map dropped")
+    assert fake.calls == 1
+
+
+async def test_a_refresh_that_fails_drops_the_map(monkeypatch):
+    monkeypatch.setattr(bootstrap, "REFRESH_SECONDS", 0.05)
+    cache, fake, endpoint = gated_cache(monkeypatch)
+    await cache.engines(endpoint)
+    cache.cached(endpoint)
+    fake.fail = True
+    await wait_until(lambda: len(cache) == 0, what="the map dropped")
+    assert fake.calls == 2

@@ -265,17 +265,19 @@ def _cache(monkeypatch, entries: int = 1024) -> tuple[BootstrapCache, _FakeQueri
     return cache, fake
 
 
-async def test_bootstrap_cache_is_a_bounded_lru(monkeypatch):
+async def test_bootstrap_cache_is_bounded_and_drops_the_least_recently_learned(monkeypatch):
+    """Reading a map costs a request no reordering: maps in use are learned again
+    every refresh period, so the oldest learned is the one to go."""
     cache, fake = _cache(monkeypatch, entries=2)
     a, b, c = (Endpoint(parse_endpoint(f"http://{h}:1")) for h in "abc")
     await cache.engines(a)
     await cache.engines(b)
-    await cache.engines(a)  # a is now the most recently used
-    await cache.engines(c)  # evicts b
+    await cache.engines(a)  # read from the cache: a is still the oldest learned
+    await cache.engines(c)  # evicts a
     assert len(cache) == 2 and fake.calls == [a.label, b.label, c.label]
-    await cache.engines(a)
     await cache.engines(b)
-    assert fake.calls[-1] == b.label and fake.calls.count(a.label) == 1
+    await cache.engines(a)
+    assert fake.calls[-1] == a.label and fake.calls.count(b.label) == 1
 
 
 async def test_bootstrap_concurrent_callers_share_one_query(monkeypatch):
