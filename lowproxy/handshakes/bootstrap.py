@@ -19,6 +19,17 @@ target no longer named): its next request asks, as a first one does. A refresh
 that fails drops the map as well: decode asks that same server where the
 engine's workers are, so a map it cannot confirm is no use to a new request.
 
+A query that fails (refused, unanswered within its bound, an unusable answer)
+is held HOLD_SECONDS: requests for that endpoint are answered the failure at
+once (decode computes the prompt, or the client gets the 502 under the error
+policy) instead of each waiting on a query of its own, and the endpoint is
+cooled down for as long (routing prefers other prefills; a prefill whose
+server cannot answer can do no handshake). After the hold the next request
+asks again in the background and still goes on without it, the endpoint
+cooled down until that query ends: once a server has failed, no request waits
+on it until it answers again. Requests that find no map and no failure share
+one query, as before.
+
 The key is the Endpoint object, not its address: an instance removed and added
 again (admin.py), or a dns+ address that left the answer and came back, is a new
 Endpoint, so a new server at an old address starts with no map of the old one's.
@@ -28,9 +39,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from functools import partial
-from typing import Callable
+from typing import Callable, NoReturn
 
 from ..config.settings import EndpointSpec
 from ..timeouts import deadline
@@ -48,6 +60,11 @@ MAX_ANSWER_BYTES = MAX_QUERY_ANSWER_BYTES
 # health checks already send (two GETs each 5 s). vLLM takes tens of seconds to
 # start, so a restart is nearly always seen first by a failed check or leg.
 REFRESH_SECONDS = 10.0
+# How long a failed query is answered without asking again: routing's cooldown
+# of an endpoint that refused a connection (groups.COOLDOWN_SECONDS), so the two
+# agree. A hung server then costs one bounded query, not one per request, and a
+# prefill that is back is asked again within a couple of seconds.
+HOLD_SECONDS = 2.0
 
 log = logging.getLogger("lowproxy.bootstrap")
 
@@ -76,11 +93,22 @@ class EngineMap:
         return rank, self.engine_ids[rank]
 
 
+class HeldFailure:
+    """A failed query: answered to requests until ``until`` without asking again."""
+
+    __slots__ = ("why", "until", "cooled_until")
+
+    def __init__(self, why: str, until: float, cooled_until: float) -> None:
+        self.why = why
+        self.until = until  # time.monotonic(), as routing's cooldowns
+        self.cooled_until = cooled_until  # the cooldown it set: lifted once a query answers
+
+
 def parse_query_answer(raw: bytes) -> dict[str, str]:
     """The answer's {rank: engine_id}, checked by backend_json; BootstrapError if unusable.
 
     A bad answer raises before _query stores anything: it is never cached, and
-    the next request queries again.
+    is held as any failed query is.
     """
     try:
         return query_engine_ids(raw)
@@ -101,6 +129,7 @@ class BootstrapCache:
         self._maps: OrderedDict[Endpoint, EngineMap] = OrderedDict()
         self._queries: dict[Endpoint, asyncio.Future[EngineMap]] = {}
         self._running: set[asyncio.Future[EngineMap]] = set()  # disowned ones too
+        self._held: OrderedDict[Endpoint, HeldFailure] = OrderedDict()
         # Bootstrap servers are plain-HTTP endpoints of their own (pooled like any).
         self._servers: OrderedDict[str, Endpoint] = OrderedDict()
         self._on_query = on_query
@@ -139,6 +168,7 @@ class BootstrapCache:
         """
         self.forget(endpoint)
         if passed:
+            self._release(endpoint)  # it answers again: worth a wait, unlike a held failure
             self._start_query(endpoint)
 
     def cached(self, endpoint: Endpoint) -> EngineMap | None:
@@ -153,11 +183,42 @@ class BootstrapCache:
         cached = self.cached(endpoint)
         if cached is not None:
             return cached
+        held = self._held.get(endpoint)
+        if held is not None:
+            self._answer_held(endpoint, held)
         pending = self._queries.get(endpoint)
         if pending is None:
             pending = self._start_query(endpoint)
         # Shielded: one client leaving must not cancel a query others wait on.
         return await asyncio.shield(pending)
+
+    def _answer_held(self, endpoint: Endpoint, held: HeldFailure) -> NoReturn:
+        """The held failure, at once; past the hold, a query in the background first."""
+        now = time.monotonic()
+        if now >= held.until and endpoint not in self._queries:
+            # Not awaited: a server that hangs would hold this request the whole
+            # bound. Routing prefers other prefills until this query has ended.
+            endpoint.cooldown_until = max(endpoint.cooldown_until,
+                                          now + QUERY_TIMEOUT_SECONDS)
+            held.cooled_until = endpoint.cooldown_until
+            self._start_query(endpoint)
+        raise BootstrapError(f"{held.why} (held: no request waits on this server again "
+                             f"until a query answers)")
+
+    def _hold(self, endpoint: Endpoint, why: str) -> None:
+        until = time.monotonic() + HOLD_SECONDS
+        # Read by routing (groups.py): other prefills are preferred meanwhile.
+        endpoint.cooldown_until = max(endpoint.cooldown_until, until)
+        self._held[endpoint] = HeldFailure(why, until, endpoint.cooldown_until)
+        self._held.move_to_end(endpoint)
+        while len(self._held) > CACHE_ENTRIES:
+            self._held.popitem(last=False)
+
+    def _release(self, endpoint: Endpoint) -> None:
+        """The endpoint's failure is no longer held; a cooldown the hold set is lifted."""
+        held = self._held.pop(endpoint, None)
+        if held is not None and endpoint.cooldown_until == held.cooled_until:
+            endpoint.cooldown_until = 0.0  # not one a refused connection set since
 
     def _start_query(self, endpoint: Endpoint) -> asyncio.Future[EngineMap]:
         pending = asyncio.get_running_loop().create_task(self._query(endpoint))
@@ -184,9 +245,11 @@ class BootstrapCache:
         try:
             engine_map = await self._timed_fetch(endpoint)
         except BootstrapError as exc:
-            if self._owns(endpoint) and self._drop(endpoint):
-                log.warning("%s: refreshing the Mooncake engine map failed, dropped: %s",
-                            endpoint.label, exc)
+            if self._owns(endpoint):
+                if self._drop(endpoint):
+                    log.warning("%s: refreshing the Mooncake engine map failed, dropped: %s",
+                                endpoint.label, exc)
+                self._hold(endpoint, str(exc))
             raise
         if not self._owns(endpoint):
             return engine_map  # forgotten meanwhile: for its waiters only
@@ -211,6 +274,7 @@ class BootstrapCache:
 
     def _learned(self, endpoint: Endpoint, fresh: EngineMap) -> EngineMap:
         """Keep what a query answered; the map requests read from now on."""
+        self._release(endpoint)
         old = self._maps.pop(endpoint, None)
         if old is not None:
             if old.refresh is not None:

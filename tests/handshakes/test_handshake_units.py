@@ -293,15 +293,20 @@ async def test_bootstrap_concurrent_callers_share_one_query(monkeypatch):
     assert all(r is results[0] for r in results)
 
 
-async def test_bootstrap_failure_is_not_cached_and_forget_queries_again(monkeypatch):
+async def test_bootstrap_failure_is_held_not_cached_and_forget_queries_again(monkeypatch):
+    monkeypatch.setattr(bootstrap, "HOLD_SECONDS", 0.0)
     cache, fake = _cache(monkeypatch)
     endpoint = Endpoint(parse_endpoint("http://p:1"))
     fake.fail = True
     for _ in range(2):
         with pytest.raises(BootstrapError):
-            await cache.engines(endpoint)
+            await cache.engines(endpoint)  # the second: the held failure, asked again after
+    await asyncio.sleep(0.01)
     assert len(cache) == 0 and len(fake.calls) == 2
     fake.fail = False
+    with pytest.raises(BootstrapError):
+        await cache.engines(endpoint)  # held again: it asks in the background
+    await asyncio.sleep(0.01)
     await cache.engines(endpoint)
     await cache.engines(endpoint)
     assert len(fake.calls) == 3
