@@ -3,7 +3,7 @@
 vLLM 0.16+ prefill runs a bootstrap server (rank 0 worker, plain HTTP) whose
 ``GET /query`` answers ``{"<rank>": {"engine_id": ...}, ...}``. Decode needs
 the engine id of the rank that computed the KV. Engine ids are random per
-start, so the answer is cached per prefill endpoint (LRU, bounded) and dropped
+start, so the answer is cached per prefill endpoint (bounded) and dropped
 when a request to that endpoint fails: a restarted prefill has new ids. A
 health check that fails drops it too, and so does the first that passes after
 one failed (health.py): either may be a restart no request saw, and the pass
@@ -63,7 +63,7 @@ REFRESH_SECONDS = 10.0
 # How long a failed query is answered without asking again: routing's cooldown
 # of an endpoint that refused a connection (groups.COOLDOWN_SECONDS), so the two
 # agree. A hung server then costs one bounded query, not one per request, and a
-# prefill that is back is asked again within a couple of seconds.
+# prefill that is back is asked again by the first request 2 s after it failed.
 HOLD_SECONDS = 2.0
 
 log = logging.getLogger("lowproxy.bootstrap")
