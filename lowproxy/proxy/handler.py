@@ -88,7 +88,7 @@ class Proxy:
             config.prefill_policy, config.affinity_slack, self.metrics.prefill_choice,
             self.router)
         self.bootstrap = BootstrapCache(self.upstream, config.mooncake_bootstrap_port,
-                                        on_query=self._bootstrap_observed)
+                                        on_query=self.metrics.bootstrap_duration.observe)
         self.tracing = Tracing.create(config.otel)
         self.dispatch = Dispatcher(config, self.upstream, self.prefill, self.decode,
                                    self.bootstrap, self.metrics, self.tracing,
@@ -99,8 +99,10 @@ class Proxy:
         self.client_keys = ClientKeys(config.client_api_keys, config.client_api_keys_file)
         self.instances = Instances(config.admin_api_key, self.prefill, self.decode,
                                    self.upstream, self.backend_key, config.workers)
+        # A restart the health checks saw: the prefill's Mooncake engine map is learned again.
         self.health = HealthMonitor(config, self.upstream, self.prefill, self.decode,
-                                    self.backend_key)
+                                    self.backend_key, self.bootstrap.health_checked
+                                    if config.kv_protocol == "mooncake" else None)
         # PD_PROXY_PEERS: prefill choices told to and by the other replicas.
         self.peers = PeerShare(config, self.upstream, self.router, self.prefill,
                                self.metrics) if config.peers and self.router else None
@@ -163,6 +165,7 @@ class Proxy:
         if self.worker_share is not None:
             self.worker_share.close()
         await self.dispatch.close(grace)
+        await self.bootstrap.close()
         for endpoint in self.all_endpoints():
             self.upstream.close_idle(endpoint)
 
@@ -429,9 +432,6 @@ class Proxy:
                                 decode_only_plan(request.method, request.target, body))
 
     # -- metrics read at scrape time
-
-    def _bootstrap_observed(self, seconds: float, ok: bool) -> None:
-        self.metrics.bootstrap_duration.observe(seconds, "ok" if ok else "error")
 
     def _register_gauges(self) -> None:
         metrics = self.metrics

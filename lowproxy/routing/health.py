@@ -15,6 +15,10 @@ then routes as if it knew none. A model that no decode lists is answered 404
 only when every decode's list is known and a refresh begun after the model was
 first asked for has not found it (an adapter may have just been loaded).
 
+Under Mooncake a prefill check that fails, and the first that passes after one
+failed, are told to the bootstrap cache (handshakes/bootstrap.py): either may be
+a restart, after which the engine ids it answered before are wrong.
+
 With the interval 0, lowproxy sends backends nothing of its own: no checks and
 no model lists, so no 404/400 from model knowledge either.
 """
@@ -24,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from .. import answers
 from ..config.settings import Config
@@ -51,11 +55,16 @@ class HealthMonitor:
     """Runs the checks of every endpoint of ``groups``; answers model questions."""
 
     def __init__(self, config: Config, upstream: Upstream, prefill: BackendGroup,
-                 decode: BackendGroup, backend_key: BackendKey) -> None:
+                 decode: BackendGroup, backend_key: BackendKey,
+                 prefill_checked: Callable[[Endpoint, bool], None] | None = None) -> None:
         self.config = config
         self.upstream = upstream
         self.groups = (prefill, decode)
+        self.prefill = prefill
         self.decode = decode
+        # Told of each prefill check that failed (False) and of the first that passed
+        # after one failed (True): a restart the checks saw (Mooncake's engine ids).
+        self.prefill_checked = prefill_checked
         self.backend_key = backend_key
         self.active = config.health_interval > 0
         self.any_model_name = config.kv_protocol == "sglang"  # no 404 for a model name
@@ -135,7 +144,11 @@ class HealthMonitor:
         refused = status in KEY_REFUSED
         # A refused key is a misconfiguration, not a flap: out at once.
         failures_allowed = 1 if refused else self.config.health_failures
+        failed_before = group.failed_checks.get(endpoint, 0)
         changed = group.record_check(endpoint, ok, failures_allowed)
+        if (self.prefill_checked is not None and group is self.prefill
+                and (not ok or failed_before) and endpoint in group.endpoints):
+            self.prefill_checked(endpoint, ok)
         self._note_key(group, endpoint, refused, status)
         if changed and not refused:
             if ok:

@@ -3,7 +3,7 @@
 Unit tests on bytes for backend_json's parsers, then end to end: a Mooncake
 bootstrap server that answers hostile JSON (a raw asyncio server written
 here) makes a prefill failure under the configured policy, never a 500, and
-is never cached.
+is never cached: like any failed query it is held for a moment, then asked again.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import json
 
 import pytest
 
-from helpers import CHAT, RawServer, chat, config_for, running_proxy
+from helpers import CHAT, RawServer, chat, config_for, running_proxy, wait_until
 from lowproxy.demo import start_pair
+from lowproxy.handshakes import bootstrap as bootstrap_module
 from lowproxy.handshakes.backend_json import (
     MAX_PREFILL_ANSWER_BYTES,
     BadAnswer,
@@ -147,7 +148,8 @@ async def _mooncake_proxy(bootstrap: RawBootstrap, **overrides):
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE_QUERIES))
-async def test_hostile_query_answer_means_recompute_and_is_never_cached(case):
+async def test_hostile_query_answer_means_recompute_is_held_and_never_cached(case, monkeypatch):
+    monkeypatch.setattr(bootstrap_module, "HOLD_SECONDS", 0.2)
     bootstrap = await RawBootstrap(HOSTILE_QUERIES[case]).start()
     prefill, decode, config = await _mooncake_proxy(bootstrap)
     try:
@@ -158,12 +160,19 @@ async def test_hostile_query_answer_means_recompute_and_is_never_cached(case):
             [recomputed] = decode.requests_to("/chat/completions")
             assert "kv_transfer_params" not in recomputed.body
             assert bootstrap.queries == 1 and len(proxy.proxy.bootstrap) == 0
-            # A good answer after the bad one is used: the bad one was not cached.
             bootstrap.body = json.dumps({rank: {"engine_id": engine} for rank, engine
                                          in prefill.engine_ids.items()}).encode()
+            # Held: the next request recomputes at once, without asking.
+            assert (await proxy.request("POST", CHAT, chat())).status == 200
+            assert bootstrap.queries == 1
+            # Past the hold a request asks again (in the background) ...
+            await asyncio.sleep(0.25)
+            assert (await proxy.request("POST", CHAT, chat())).status == 200
+            await wait_until(lambda: len(proxy.proxy.bootstrap) == 1, what="the good answer")
+            assert bootstrap.queries == 2
+            # ... and the good answer is used: the bad one was not cached.
             reply = await proxy.request("POST", CHAT, chat())
             assert reply.status == 200, reply.body
-            assert bootstrap.queries == 2
             kv = decode.requests_to("/chat/completions")[-1].body["kv_transfer_params"]
             assert kv["remote_engine_id"] == prefill.engine_ids["0"]
             assert len(prefill.requests_to("/chat/completions")) == 1

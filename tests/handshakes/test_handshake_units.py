@@ -265,17 +265,19 @@ def _cache(monkeypatch, entries: int = 1024) -> tuple[BootstrapCache, _FakeQueri
     return cache, fake
 
 
-async def test_bootstrap_cache_is_a_bounded_lru(monkeypatch):
+async def test_bootstrap_cache_is_bounded_and_drops_the_least_recently_learned(monkeypatch):
+    """Reading a map costs a request no reordering: maps in use are learned again
+    every refresh period, so the oldest learned is the one to go."""
     cache, fake = _cache(monkeypatch, entries=2)
     a, b, c = (Endpoint(parse_endpoint(f"http://{h}:1")) for h in "abc")
     await cache.engines(a)
     await cache.engines(b)
-    await cache.engines(a)  # a is now the most recently used
-    await cache.engines(c)  # evicts b
+    await cache.engines(a)  # read from the cache: a is still the oldest learned
+    await cache.engines(c)  # evicts a
     assert len(cache) == 2 and fake.calls == [a.label, b.label, c.label]
-    await cache.engines(a)
     await cache.engines(b)
-    assert fake.calls[-1] == b.label and fake.calls.count(a.label) == 1
+    await cache.engines(a)
+    assert fake.calls[-1] == a.label and fake.calls.count(b.label) == 1
 
 
 async def test_bootstrap_concurrent_callers_share_one_query(monkeypatch):
@@ -291,15 +293,20 @@ async def test_bootstrap_concurrent_callers_share_one_query(monkeypatch):
     assert all(r is results[0] for r in results)
 
 
-async def test_bootstrap_failure_is_not_cached_and_forget_queries_again(monkeypatch):
+async def test_bootstrap_failure_is_held_not_cached_and_forget_queries_again(monkeypatch):
+    monkeypatch.setattr(bootstrap, "HOLD_SECONDS", 0.0)
     cache, fake = _cache(monkeypatch)
     endpoint = Endpoint(parse_endpoint("http://p:1"))
     fake.fail = True
     for _ in range(2):
         with pytest.raises(BootstrapError):
-            await cache.engines(endpoint)
+            await cache.engines(endpoint)  # the second: the held failure, asked again after
+    await asyncio.sleep(0.01)
     assert len(cache) == 0 and len(fake.calls) == 2
     fake.fail = False
+    with pytest.raises(BootstrapError):
+        await cache.engines(endpoint)  # held again: it asks in the background
+    await asyncio.sleep(0.01)
     await cache.engines(endpoint)
     await cache.engines(endpoint)
     assert len(fake.calls) == 3

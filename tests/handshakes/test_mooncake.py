@@ -142,7 +142,8 @@ async def test_bootstrap_answer_is_cached_and_queried_again_after_a_failure():
             prefill.engine_ids.values()
 
 
-async def test_bootstrap_down_means_recompute():
+async def test_bootstrap_down_means_recompute(monkeypatch):
+    monkeypatch.setattr(bootstrap, "HOLD_SECONDS", 0.2)
     async with pd_setup("mooncake") as (proxy, prefill, decode):
         prefill.bootstrap_up = False
         reply = await proxy.request("POST", CHAT, chat(kv_transfer_params={"transfer_id": "x"}))
@@ -153,10 +154,18 @@ async def test_bootstrap_down_means_recompute():
         assert "kv_transfer_params" not in dc.body
         assert proxy.proxy.metrics.prefill_legs.get("mooncake", "recompute") == 1
 
-        # The failed query is not cached: the next request asks again.
+        # The failed query is held, not cached: once the hold is over a request
+        # asks again (without waiting for the answer), and the next is served by it.
         prefill.bootstrap_up = True
         assert (await proxy.request("POST", CHAT, chat())).status == 200
+        assert prefill.bootstrap_queries == 0  # held: not asked
+        await asyncio.sleep(0.25)
+        assert (await proxy.request("POST", CHAT, chat())).status == 200
+        await wait_until(lambda: prefill.bootstrap_queries == 1, what="asked again")
+        await wait_until(lambda: len(proxy.proxy.bootstrap) == 1, what="the map kept")
+        assert (await proxy.request("POST", CHAT, chat())).status == 200
         assert "kv_transfer_params" in decode.requests_to("/chat/completions")[-1].body
+        assert proxy.proxy.metrics.prefill_legs.get("mooncake", "recompute") == 3
 
 
 async def test_bootstrap_down_with_error_policy_is_a_502():
