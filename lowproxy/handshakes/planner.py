@@ -19,6 +19,7 @@ from ..upstream.endpoint import Endpoint
 from . import mooncake, relay, sglang
 from .bootstrap import BootstrapCache, BootstrapError
 from .legs import Plan, decode_only_plan, leg_serialiser, serialise
+from .request_models import refused_field
 from .rules import SHORT, cannot_hand_off, decode_would_reject, too_short
 
 DECODE_CACHED = "decode-cached"  # decode-first: decode holds all but a few tokens
@@ -56,12 +57,19 @@ def _refused_under_sglang(body: Body, surface: str) -> tuple[str, str] | None:
     return sglang.too_many_children(surface, body) or decode_would_reject(body, surface)
 
 
+def _refused_by_vllm(body: Body, surface: str) -> tuple[str, str] | None:
+    return refused_field(body, surface) or decode_would_reject(body, surface)
+
+
 def refusal_rules(kv_protocol: str) -> Callable[[Body, str], tuple[str, str] | None]:
     """What answers a request 400 before either leg, as (param, message) or None:
-    one decode rejects (decode_would_reject), and under sglang also one SGLang
-    would make into more requests than lowproxy pairs (sglang.too_many_children).
-    Chosen once per handshake, so that the other handshakes pay no extra call."""
-    return _refused_under_sglang if kv_protocol == "sglang" else decode_would_reject
+    one decode rejects (decode_would_reject); under vLLM's handshakes also a value
+    vLLM's request model refuses in a field the prefill leg cleans off
+    (request_models.refused_field); under sglang, where both legs carry the same
+    body, instead one SGLang would make into more requests than lowproxy pairs
+    (sglang.too_many_children). Chosen once per handshake, so that no handshake
+    pays for another's rules."""
+    return _refused_under_sglang if kv_protocol == "sglang" else _refused_by_vllm
 
 
 def skip_reason(config: Config, surface: str, body: Body, prompt_bytes: int | None
