@@ -175,6 +175,11 @@ def _openai_checks(body: dict[str, Any]) -> None:
             and (prompt_logprobs > 0 or prompt_logprobs == -1):
         raise Problem(400, "`prompt_logprobs` are not available when `stream=True`.",
                       "prompt_logprobs")
+    # check_logprobs: chat wants a true logprobs, completions any (0 included).
+    logprobs = body.get("logprobs")
+    if body.get("logprob_token_ids") is not None and (logprobs is None or logprobs is False):
+        raise Problem(400, "when using `logprob_token_ids`, `logprobs` must be set.",
+                      "logprob_token_ids")
     low = _int(body, "min_completion_tokens")
     cap = _int(body, "max_completion_tokens") or _int(body, "max_tokens")
     if low is not None and cap is not None and low > cap:

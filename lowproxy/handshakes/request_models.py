@@ -80,8 +80,10 @@ _SHARED: dict[str, FieldType] = {
 }
 FIELD_TYPES: dict[str, dict[str, FieldType]] = {
     CHAT: {**_SHARED, "max_completion_tokens": OPTIONAL_INT, "n": OPTIONAL_INT,
-           "logprobs": OPTIONAL_BOOL, "top_logprobs": LOGPROBS_COUNT},
-    COMPLETIONS: {**_SHARED, "n": INT, "logprobs": LOGPROBS_COUNT},
+           "logprobs": OPTIONAL_BOOL, "top_logprobs": LOGPROBS_COUNT,
+           "logprob_token_ids": OPTIONAL_INT_LIST},
+    COMPLETIONS: {**_SHARED, "n": INT, "logprobs": LOGPROBS_COUNT,
+                  "logprob_token_ids": OPTIONAL_INT_LIST},
     RESPONSES: {"max_output_tokens": OPTIONAL_INT, "store": OPTIONAL_BOOL,
                 "stream": OPTIONAL_BOOL, "ignore_eos": BOOL, "stop": STOP},
     MESSAGES: {"max_tokens": INT, "stream": OPTIONAL_BOOL, "stop_sequences": OPTIONAL_STR_LIST},
@@ -109,6 +111,8 @@ def _value_rules(body: Body, surface: str) -> tuple[str, str] | None:
         if (as_int(body["max_tokens"]) or 0) <= 0:  # a field_validator of its own
             return "max_tokens", "max_tokens must be positive"
         return None
+    if (refused := _logprob_token_ids(body, surface)) is not None:
+        return "logprob_token_ids", refused
     if surface == CHAT:
         top = body.get("top_logprobs")
         if top is not None:
@@ -119,6 +123,27 @@ def _value_rules(body: Body, surface: str) -> tuple[str, str] | None:
                                         "to true.")
     elif surface == COMPLETIONS and _negative(body.get("logprobs")):
         return "logprobs", "`logprobs` must be a positive value or -1."
+    return None
+
+
+def _logprob_token_ids(body: Body, surface: str) -> str | None:
+    """Why vLLM's check_logprobs refuses ``logprob_token_ids`` (a list by now), or None."""
+    ids = body.get("logprob_token_ids")
+    if ids is None:
+        return None
+    if not ids:  # also its Field(min_length=1)
+        return "`logprob_token_ids` must not be an empty list."
+    if body.get("use_beam_search"):
+        return "`logprob_token_ids` is not supported with beam search."
+    if surface == CHAT:
+        if not body.get("logprobs"):
+            return "when using `logprob_token_ids`, `logprobs` must be set to true."
+        return None
+    if body.get("echo") and body.get("max_tokens") == 0:
+        return ("`logprob_token_ids` is not supported when `echo=True` and `max_tokens=0` "
+                "because no output tokens are generated.")
+    if body.get("logprobs") is None:
+        return "when using `logprob_token_ids`, `logprobs` must be set."
     return None
 
 

@@ -25,6 +25,8 @@ PREFILL_DROPPED: dict[str, str] = {
     "stop": "a one-token answer holding a stop string stops the same way",
     "logprobs": "computed for the one prefill token and thrown away",
     "top_logprobs": "computed for the one prefill token and thrown away",
+    "logprob_token_ids": "vLLM refuses it without logprobs, which the prefill leg drops "
+                         "(and it too would be computed and thrown away)",
 }
 
 # The Responses API (vLLM 0.33): the cap is max_output_tokens; a stored one-token

@@ -115,3 +115,31 @@ async def test_lax_values_vllm_accepts_are_served(kv_protocol):
         assert pf.body["ignore_eos"] is True and pf.body["n"] == 1
         assert {k: dc.body[k] for k in ("ignore_eos", "logprobs", "top_logprobs")} == {
             "ignore_eos": "yes", "logprobs": "true", "top_logprobs": 2}
+
+
+# -- logprob_token_ids needs logprobs, which the prefill leg drops: it goes too
+
+
+@pytest.mark.parametrize("kv_protocol", ["relay", "mooncake"])
+@pytest.mark.parametrize("path, client", [
+    (CHAT, chat(logprobs=True, logprob_token_ids=[1, 2])),
+    (COMPLETIONS, _completion(logprobs=0, logprob_token_ids=[3])),
+])
+async def test_logprob_token_ids_with_logprobs_is_served(kv_protocol, path, client):
+    async with pd_setup(kv_protocol) as (proxy, prefill, decode):
+        reply = await proxy.request("POST", path, client)
+        assert reply.status == 200, reply.body
+        [pf], [dc] = legs(prefill, decode, path.removeprefix("/v1"))
+        assert "logprob_token_ids" not in pf.body and "logprobs" not in pf.body
+        assert dc.body["logprob_token_ids"] == client["logprob_token_ids"]
+
+
+@pytest.mark.parametrize("path, client", [
+    (CHAT, chat(logprob_token_ids=[1])),  # without logprobs: true
+    (CHAT, chat(logprobs=True, logprob_token_ids=[])),
+    (CHAT, chat(logprobs=True, logprob_token_ids=["a"])),
+    (COMPLETIONS, _completion(logprob_token_ids=[1])),  # without logprobs set
+])
+async def test_logprob_token_ids_decode_refuses_reach_no_backend(path, client):
+    async with pd_setup("mooncake") as (proxy, prefill, decode):
+        await _refused_before_legs(proxy, prefill, decode, path, client, "logprob_token_ids")

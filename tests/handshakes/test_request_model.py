@@ -168,6 +168,16 @@ def test_messages_without_max_tokens_is_refused():
     (CHAT, {"top_logprobs": 3, "logprobs": 0}, "top_logprobs"),
     (CHAT, {"top_logprobs": -2, "logprobs": True}, "top_logprobs"),
     (CHAT, {"top_logprobs": True}, "top_logprobs"),
+    (CHAT, {"logprob_token_ids": [1]}, "logprob_token_ids"),
+    (CHAT, {"logprob_token_ids": [1], "logprobs": 0}, "logprob_token_ids"),
+    (CHAT, {"logprob_token_ids": [], "logprobs": True}, "logprob_token_ids"),
+    (CHAT, {"logprob_token_ids": "1", "logprobs": True}, "logprob_token_ids"),
+    (CHAT, {"logprob_token_ids": [1.5], "logprobs": True}, "logprob_token_ids"),
+    (CHAT, {"logprob_token_ids": [1], "logprobs": True, "use_beam_search": True},
+     "logprob_token_ids"),
+    (COMPLETIONS, {"logprob_token_ids": [1]}, "logprob_token_ids"),
+    (COMPLETIONS, {"logprob_token_ids": [1], "logprobs": 1, "echo": True, "max_tokens": 0},
+     "logprob_token_ids"),
     (COMPLETIONS, {"logprobs": "2"}, "logprobs"),
     (COMPLETIONS, {"logprobs": -2}, "logprobs"),
 ])
@@ -184,6 +194,11 @@ def test_what_vllm_validators_refuse_is_refused(surface, body, param):
     (CHAT, {"top_logprobs": 0}), (CHAT, {"top_logprobs": None}),
     (CHAT, {"top_logprobs": 0.0, "logprobs": False}),
     (COMPLETIONS, {"logprobs": -1}), (COMPLETIONS, {"logprobs": 5.0}),
+    (CHAT, {"logprob_token_ids": [1, "2", 3.0], "logprobs": True}),
+    (CHAT, {"logprob_token_ids": [1], "logprobs": "false"}),  # truthy to check_logprobs
+    (CHAT, {"logprob_token_ids": None}),
+    (COMPLETIONS, {"logprob_token_ids": [7], "logprobs": 0}),
+    (COMPLETIONS, {"logprob_token_ids": [7], "logprobs": 0, "echo": True, "max_tokens": "0"}),
     (CHAT, {"n": 3, "stream": True, "stop": ["\n"], "stop_token_ids": [2], "min_tokens": 1,
             "ignore_eos": False, "max_completion_tokens": 9}),
     ("generate", {"sampling_params": {"max_tokens": "x"}}),  # not checked there (REPORT.md)

@@ -46,7 +46,8 @@ def test_prefill_leg_drops_what_would_stop_or_be_wasted_and_asks_one_copy():
 def test_prefill_leg_without_n_gets_none_and_the_table_names_every_dropped_field():
     assert "n" not in primed_prefill_body(chat(), None)
     assert set(PREFILL_DROPPED) >= {"stream_options", "min_tokens", "min_completion_tokens",
-                                    "stop_token_ids", "stop", "logprobs", "top_logprobs"}
+                                    "stop_token_ids", "stop", "logprobs", "top_logprobs",
+                                    "logprob_token_ids"}
     prefill, _ = mooncake_bodies(chat(stop="x", n=2), "xfer-1", "eng", "http://p:8998")
     assert "stop" not in prefill and prefill["n"] == 1
 
