@@ -8,9 +8,9 @@ its handler, so vLLM never tells the KV connector, and the KV stays pinned
 (480 s under Mooncake, 30 s and more under NIXL). Such a request is answered
 400 before either leg. Everything vLLM accepts must pass: the field types are
 vLLM 0.33's declarations (chat_completion/protocol.py, completion/protocol.py,
-responses/protocol.py, anthropic/protocol.py), each read with pydantic's lax
-conversions (lax_types), and the value rules are its "before" model
-validators, word for word (they read the raw JSON, before any coercion).
+responses/protocol.py, anthropic/protocol.py, serve/disagg/protocol.py), each
+read with pydantic's lax conversions (lax_types), and the value rules are its
+"before" model validators (they read the raw JSON, before any coercion).
 
 Range rules vLLM raises later, in its handler (SamplingParams._verify_args from
 to_sampling_params, inside create_*: n >= 1, max_tokens >= 1, min_tokens >= 0
@@ -23,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .._types import Body
-from ..routes import CHAT, COMPLETIONS, MESSAGES, RESPONSES
+from ..routes import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES
 from .lax_types import as_int, is_bool, is_int, is_int_list, is_str_list
 
 
@@ -87,6 +87,10 @@ FIELD_TYPES: dict[str, dict[str, FieldType]] = {
     RESPONSES: {"max_output_tokens": OPTIONAL_INT, "store": OPTIONAL_BOOL,
                 "stream": OPTIONAL_BOOL, "ignore_eos": BOOL, "stop": STOP},
     MESSAGES: {"max_tokens": INT, "stream": OPTIONAL_BOOL, "stop_sequences": OPTIONAL_STR_LIST},
+    # GenerateRequest: only the top level. What its prefill leg cleans off inside
+    # sampling_params, vLLM's SamplingParams validates by rules of its own
+    # (msgspec, and _verify_args inside the model), not mirrored here.
+    GENERATE: {"stream": OPTIONAL_BOOL},
 }
 
 

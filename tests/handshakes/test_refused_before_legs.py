@@ -143,3 +143,11 @@ async def test_logprob_token_ids_with_logprobs_is_served(kv_protocol, path, clie
 async def test_logprob_token_ids_decode_refuses_reach_no_backend(path, client):
     async with pd_setup("mooncake") as (proxy, prefill, decode):
         await _refused_before_legs(proxy, prefill, decode, path, client, "logprob_token_ids")
+
+
+async def test_generate_stream_decode_refuses_reaches_no_backend():
+    body = {"model": "demo-model", "token_ids": [1, 2, 3], "stream": "maybe",
+            "sampling_params": {"max_tokens": 3}}
+    async with pd_setup("mooncake") as (proxy, prefill, decode):
+        await _refused_before_legs(proxy, prefill, decode, "/inference/v1/generate", body,
+                                   "stream")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 from lowproxy.handshakes.request_models import refused_field
-from lowproxy.routes import CHAT, COMPLETIONS, MESSAGES, RESPONSES
+from lowproxy.routes import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES
 
 pydantic = pytest.importorskip("pydantic")
 BaseModel, ConfigDict, Field = pydantic.BaseModel, pydantic.ConfigDict, pydantic.Field
@@ -180,6 +180,7 @@ def test_messages_without_max_tokens_is_refused():
      "logprob_token_ids"),
     (COMPLETIONS, {"logprobs": "2"}, "logprobs"),
     (COMPLETIONS, {"logprobs": -2}, "logprobs"),
+    (GENERATE, {"stream": "maybe", "sampling_params": {}}, "stream"),  # bool | None
 ])
 def test_what_vllm_validators_refuse_is_refused(surface, body, param):
     found = refused_field(body, surface)
@@ -201,7 +202,8 @@ def test_what_vllm_validators_refuse_is_refused(surface, body, param):
     (COMPLETIONS, {"logprob_token_ids": [7], "logprobs": 0, "echo": True, "max_tokens": "0"}),
     (CHAT, {"n": 3, "stream": True, "stop": ["\n"], "stop_token_ids": [2], "min_tokens": 1,
             "ignore_eos": False, "max_completion_tokens": 9}),
-    ("generate", {"sampling_params": {"max_tokens": "x"}}),  # not checked there (REPORT.md)
+    (GENERATE, {"sampling_params": {"max_tokens": "x"}}),  # not checked there (REPORT.md)
+    (GENERATE, {"stream": "yes", "stream_options": {"include_usage": True}}),
 ])
 def test_what_vllm_validators_accept_passes(surface, body):
     assert refused_field(body, surface) is None
