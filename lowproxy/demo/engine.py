@@ -166,12 +166,20 @@ def sampling_of(params: dict[str, Any], cap_keys: tuple[str, ...], stop_key: str
 
 def _openai_checks(body: dict[str, Any]) -> None:
     """vLLM's chat/completions request-model checks a badly shaped leg trips over."""
-    if body.get("stream_options") is not None and not body.get("stream"):
+    # vLLM's "before" validators: truthiness of the raw values ({} is no options).
+    if body.get("stream_options") and not body.get("stream"):
         raise Problem(400, "Stream options can only be defined when stream=True.",
                       "stream_options")
-    if body.get("prompt_logprobs") is not None and body.get("stream"):
+    prompt_logprobs = body.get("prompt_logprobs")
+    if body.get("stream") and isinstance(prompt_logprobs, (int, float)) \
+            and (prompt_logprobs > 0 or prompt_logprobs == -1):
         raise Problem(400, "`prompt_logprobs` are not available when `stream=True`.",
                       "prompt_logprobs")
+    # check_logprobs: chat wants a true logprobs, completions any (0 included).
+    logprobs = body.get("logprobs")
+    if body.get("logprob_token_ids") is not None and (logprobs is None or logprobs is False):
+        raise Problem(400, "when using `logprob_token_ids`, `logprobs` must be set.",
+                      "logprob_token_ids")
     low = _int(body, "min_completion_tokens")
     cap = _int(body, "max_completion_tokens") or _int(body, "max_tokens")
     if low is not None and cap is not None and low > cap:

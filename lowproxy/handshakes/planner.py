@@ -19,6 +19,7 @@ from ..upstream.endpoint import Endpoint
 from . import mooncake, relay, sglang
 from .bootstrap import BootstrapCache, BootstrapError
 from .legs import Plan, decode_only_plan, leg_serialiser, serialise
+from .request_models import refused_field
 from .rules import SHORT, cannot_hand_off, decode_would_reject, too_short
 
 DECODE_CACHED = "decode-cached"  # decode-first: decode holds all but a few tokens
@@ -56,17 +57,23 @@ def _refused_under_sglang(body: Body, surface: str) -> tuple[str, str] | None:
     return sglang.too_many_children(surface, body)
 
 
+def _refused_by_vllm(body: Body, surface: str) -> tuple[str, str] | None:
+    return refused_field(body, surface) or decode_would_reject(body, surface)
+
+
 def refusal_rules(kv_protocol: str) -> Callable[[Body, str], tuple[str, str] | None]:
     """What answers a request 400 before either leg, as (param, message) or None.
 
     vLLM's handshakes: one decode rejects in its request model though its
-    shaped prefill leg is accepted (decode_would_reject): that KV would stay
-    pinned. Under sglang both legs get the one body, so what SGLang rejects
-    both reject, and vLLM's rules would only refuse what SGLang accepts
-    (stream_options without stream, say); there the rule is one SGLang would
-    make into more requests than lowproxy pairs (sglang.too_many_children).
-    Chosen once per handshake, so that the other handshakes pay no extra call."""
-    return _refused_under_sglang if kv_protocol == "sglang" else decode_would_reject
+    shaped prefill leg is accepted (decode_would_reject), or a value vLLM's
+    request model refuses in a field the prefill leg cleans off
+    (request_models.refused_field): that KV would stay pinned. Under sglang both
+    legs get the one body, so what SGLang rejects both reject, and vLLM's rules
+    would only refuse what SGLang accepts (stream_options without stream, say);
+    there the rule is one SGLang would make into more requests than lowproxy
+    pairs (sglang.too_many_children). Chosen once per handshake, so that no
+    handshake pays for another's rules."""
+    return _refused_under_sglang if kv_protocol == "sglang" else _refused_by_vllm
 
 
 def skip_reason(config: Config, surface: str, body: Body, prompt_bytes: int | None

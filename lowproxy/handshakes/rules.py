@@ -25,6 +25,8 @@ PREFILL_DROPPED: dict[str, str] = {
     "stop": "a one-token answer holding a stop string stops the same way",
     "logprobs": "computed for the one prefill token and thrown away",
     "top_logprobs": "computed for the one prefill token and thrown away",
+    "logprob_token_ids": "vLLM refuses it without logprobs, which the prefill leg drops "
+                         "(and it too would be computed and thrown away)",
 }
 
 # The Responses API (vLLM 0.33): the cap is max_output_tokens; a stored one-token
@@ -70,10 +72,17 @@ def decode_would_reject(body: Body, surface: str = CHAT) -> tuple[str, str] | No
     """
     if surface not in (CHAT, COMPLETIONS):
         return None
-    stream = bool(body.get("stream"))  # truthiness, as vLLM's pydantic takes 1 for true
-    if body.get("stream_options") is not None and not stream:
+    # Truthiness of the raw values, as vLLM's "before" validators test them (they
+    # run before pydantic coerces the fields): {} is no stream_options there, and
+    # "false" is a true stream.
+    stream = bool(body.get("stream"))
+    if body.get("stream_options") and not stream:
         return "stream_options", "Stream options can only be defined when stream=True."
-    if body.get("prompt_logprobs") is not None and stream:
+    prompt_logprobs = body.get("prompt_logprobs")
+    if stream and isinstance(prompt_logprobs, (int, float)) \
+            and (prompt_logprobs > 0 or prompt_logprobs == -1):
+        # vLLM's check_logprobs: 0 (no prompt logprobs) streams; any other value it
+        # refuses anyway (not a number, or below -1), by a rule of its own.
         return "prompt_logprobs", "`prompt_logprobs` are not available when `stream=True`."
     min_tokens = body.get("min_tokens")
     cap = body.get("max_completion_tokens")

@@ -333,7 +333,7 @@ class Proxy:
         exchange.wants_stream = wants_stream(body)
         model = body.get("model") if isinstance(body.get("model"), str) else None
         # Model knowledge: 404, 400.
-        refused_here = await self.health.refuse(model, body, surface == MESSAGES)
+        refused_here = await self.health.refuse(model, body, surface)
         if refused_here is not None:
             await responder.send_bytes(*refused_here)
             return

@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable
 from .. import answers
 from ..config.settings import Config
 from ..keys import BackendKey
+from ..routes import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from ..timeouts import deadline
 from ..upstream.endpoint import Endpoint
 from ..upstream.pool import Upstream, UpstreamError
@@ -48,7 +49,23 @@ MISSING_KEPT = 1024  # model names asked for and not found, remembered for their
 # unknown model in every request must not drive GET /v1/models at its own rate.
 REFRESH_SPACING_SECONDS = 1.0
 KEY_REFUSED = (401, 403)  # a backend's answer to a missing or wrong backend key
-CAP_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+# The field that caps each surface's output, as vLLM reads it (build_tok_params).
+# Chat: max_completion_tokens when set, else max_tokens (output_cap). The
+# generate API has none at the top level (its cap is inside sampling_params, and
+# vLLM checks no context length there).
+CAP_FIELD = {COMPLETIONS: "max_tokens", RESPONSES: "max_output_tokens", MESSAGES: "max_tokens"}
+
+
+def output_cap(surface: str, body: dict[str, Any]) -> tuple[str, int] | None:
+    """(field, tokens) of the one cap vLLM checks against the context; None when
+    there is none, or it is not a plain integer (vLLM coerces "5" and 5.0, and
+    checks them itself)."""
+    field = CAP_FIELD.get(surface)
+    if surface == CHAT:
+        sent = body.get("max_completion_tokens") is not None
+        field = "max_completion_tokens" if sent else "max_tokens"
+    cap = None if field is None else body.get(field)
+    return (field, cap) if field is not None and type(cap) is int else None
 
 
 class HealthMonitor:
@@ -256,10 +273,10 @@ class HealthMonitor:
         if loop.time() - self._refresh_began >= REFRESH_SPACING_SECONDS:
             self._begin_refresh(loop)
 
-    async def refuse(self, model: str | None, body: dict[str, Any], anthropic: bool = False
+    async def refuse(self, model: str | None, body: dict[str, Any], surface: str = CHAT
                      ) -> tuple[int, bytes] | None:
         """(status, body) for a request no decode can serve, before either leg; else None."""
-        decode = self.decode
+        decode, anthropic = self.decode, surface == MESSAGES
         if not self.active or not decode.lists_known():
             return None
         # SGLang checks no model name (it answers "default", its LoRA "base:adapter"
@@ -277,15 +294,13 @@ class HealthMonitor:
                 return 404, answers.model_not_found(model, anthropic)
             self._missing.pop(model, None)
         limit = decode.max_model_len(model)
-        if limit is None:
+        capped = output_cap(surface, body)
+        if limit is None or capped is None or capped[1] <= limit:
             return None
-        for field in CAP_FIELDS:
-            cap = body.get(field)
-            if isinstance(cap, int) and not isinstance(cap, bool) and cap > limit:
-                return 400, answers.invalid_request(field, (
-                    f"'{field}' is {cap}, more than the model's maximum context length "
-                    f"of {limit} tokens."), anthropic)
-        return None
+        field, cap = capped
+        return 400, answers.invalid_request(field, (
+            f"'{field}' is {cap}, more than the model's maximum context length "
+            f"of {limit} tokens."), anthropic)
 
     # -- metrics read at scrape time
 

@@ -46,7 +46,8 @@ def test_prefill_leg_drops_what_would_stop_or_be_wasted_and_asks_one_copy():
 def test_prefill_leg_without_n_gets_none_and_the_table_names_every_dropped_field():
     assert "n" not in primed_prefill_body(chat(), None)
     assert set(PREFILL_DROPPED) >= {"stream_options", "min_tokens", "min_completion_tokens",
-                                    "stop_token_ids", "stop", "logprobs", "top_logprobs"}
+                                    "stop_token_ids", "stop", "logprobs", "top_logprobs",
+                                    "logprob_token_ids"}
     prefill, _ = mooncake_bodies(chat(stop="x", n=2), "xfer-1", "eng", "http://p:8998")
     assert "stop" not in prefill and prefill["n"] == 1
 
@@ -73,6 +74,11 @@ def test_requests_that_cannot_be_handed_off(path, body, reason):
     ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ({"min_tokens": 5, "max_tokens": 40, "max_completion_tokens": 4}, "min_tokens"),
+    # vLLM's own tests: a truthy stream_options, a prompt_logprobs above 0 or -1.
+    ({"stream_options": {"include_usage": False}}, "stream_options"),
+    ({"prompt_logprobs": -1, "stream": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": 0.5, "stream": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": True, "stream": 1}, "prompt_logprobs"),
 ])
 def test_what_decode_rejects_is_named(body, param):
     found = decode_would_reject(body)
@@ -85,6 +91,15 @@ def test_what_decode_rejects_is_named(body, param):
     {"min_tokens": 4, "max_tokens": 4},
     {"min_tokens": 9, "max_tokens": 4, "max_completion_tokens": 10},
     {"min_tokens": True, "max_tokens": 0},
+    # vLLM tests truthiness (validate_stream_options) and prompt_logprobs > 0 or
+    # == -1 (check_logprobs): these it serves.
+    {"stream_options": {}},
+    {"stream_options": {}, "stream": False},
+    {"stream_options": None},
+    {"prompt_logprobs": 0, "stream": True},
+    {"prompt_logprobs": 0.0, "stream": True},
+    {"prompt_logprobs": False, "stream": True},
+    {"prompt_logprobs": 3, "stream": False},
 ])
 def test_what_decode_accepts_passes(body):
     assert decode_would_reject(body) is None

@@ -150,7 +150,7 @@ async def test_an_unknown_model_is_404_after_one_refresh_and_no_leg_is_sent():
             too_long["max_tokens"] = 1001
             refused = await running.request("POST", CHAT, too_long)
             assert refused.status == 400 and refused.json()["error"]["param"] == "max_tokens"
-            capped = {"model": "alpha", "prompt": "hi", "max_completion_tokens": 5000}
+            capped = {"model": "alpha", "prompt": "hi", "max_tokens": 5000}
             assert (await running.request("POST", "/v1/completions", capped)).status == 400
             assert [conversation_of(r) for r in posts(pre[0]) + posts(pre[1])] == [
                 conversation(3)["messages"][0]["content"]]
