@@ -25,6 +25,9 @@ from .failures import PrefillResult, prefill_outcome
 ABORT_TIMEOUT_SECONDS = 2.0
 ABORT_HEADERS = [(b"content-type", b"application/json")]
 MAX_ABORTED_RIDS = 256  # a batch's children, aborted one by one
+# A prefill answer is read to its end up to this (its first 8 MiB kept): more is
+# no answer but a backend gone wrong, and the leg fails.
+MAX_PREFILL_DRAINED_BYTES = 256 * 1024 * 1024
 
 log = logging.getLogger("lowproxy.dispatch")
 
@@ -57,7 +60,12 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
                 on_load(next((value for name, value in response.headers
                               if name.lower() == b"endpoint-load-metrics"), None))
             try:
-                raw = await response.read(MAX_PREFILL_ANSWER_BYTES)
+                # Beyond the bound (prompt logprobs of a long prompt) the answer is
+                # cut, not failed: what matters of it (kv_transfer_params, usage) is
+                # then unreadable and handled as such, but the KV is there, and
+                # under sglang, where nothing of it is read, the request goes on.
+                raw = await response.read_prefix(MAX_PREFILL_ANSWER_BYTES,
+                                                 MAX_PREFILL_DRAINED_BYTES)
             finally:
                 await response.aclose()
         return prefill_outcome(response.status, raw, want_kv, surface, finish), status

@@ -179,6 +179,26 @@ class UpstreamResponse:
         await self.deliver_body(collect, _never_waits)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
+    async def read_prefix(self, limit: int, most: int) -> bytes:
+        """The body's first ``limit`` bytes; the rest is read and let go (the
+        connection stays good), up to ``most`` in all (more is a protocol error)."""
+        parts: list[bytes] = []
+        size = 0
+
+        def collect(pieces: list[bytes]) -> bool:
+            nonlocal size
+            for piece in pieces:
+                if size < limit:
+                    parts.append(piece[:limit - size])
+                size += len(piece)
+            if size > most:
+                raise UpstreamProtocolError(f"{self.endpoint.label} answered more than "
+                                            f"{most} bytes", self.endpoint)
+            return False
+
+        await self.deliver_body(collect, _never_waits)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
     async def aclose(self) -> None:
         if self._closed:
             return

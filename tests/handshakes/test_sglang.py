@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from helpers import (
     CHAT,
+    ScriptedBackend,
     chat,
     config_for,
     leave_after_both_legs,
@@ -204,6 +205,36 @@ async def test_vllms_request_model_rules_do_not_refuse_what_sglang_accepts():
                 reply = await proxy.request("POST", CHAT, chat(**extra))
                 assert reply.status == 200, (extra, reply.body)
             assert len(prefill.requests_to("/chat/completions")) == 2
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+async def test_a_prefill_answer_beyond_8_mib_is_let_go_not_failed():
+    """Prompt logprobs of a long prompt make SGLang's prefill answer megabytes; nothing
+    of it is read under sglang, so past the 8 MiB kept it is read to its end and let
+    go: the request goes on with decode's answer (it was a 502 and an abort)."""
+    from lowproxy.handshakes import MAX_PREFILL_ANSWER_BYTES
+
+    big = b'{"text":"x","meta_info":{"input_token_logprobs":[' + \
+        b",".join([b'[-0.5,1,null]'] * (MAX_PREFILL_ANSWER_BYTES // 12)) + b"]}}"
+    assert len(big) > MAX_PREFILL_ANSWER_BYTES
+
+    async def prefill_answer(request, responder):
+        await responder.send_bytes(200, big, [(b"content-type", b"application/json")])
+
+    async def decode_answer(request, responder):
+        await responder.send_json(200, {"id": "d", "choices": [{"text": "ok"}]})
+
+    prefill = await ScriptedBackend(prefill_answer).start()
+    decode = await ScriptedBackend(decode_answer).start()
+    try:
+        config = config_for(prefill.url(), decode.url(), kv_protocol="sglang")
+        async with running_proxy(config) as proxy:
+            for _ in range(2):  # the prefill's connection is still good after one
+                reply = await proxy.request("POST", CHAT, chat(), timeout=20)
+                assert reply.status == 200 and reply.json()["id"] == "d", reply.body
+            assert len(prefill.received) == 2 and prefill.hung_up == 0
     finally:
         await prefill.close()
         await decode.close()
