@@ -71,6 +71,7 @@ class Config:
     forward_prompt_token_ids: bool = False
     mooncake_bootstrap_port: int = 8998
     sglang_bootstrap_port: int = 8998
+    sglang_admin_api_key: str = ""  # a key: hidden by __repr__
     dns_refresh: float = 10.0
     prefill_header_allow: tuple[str, ...] = ()
     # -- routing: the same defaults as SETTINGS (health checks every 5 s, affinity)
@@ -113,6 +114,7 @@ class Config:
         shown = dataclasses.replace(
             self, admin_api_key="***" if self.admin_api_key else "",
             backend_api_key="***" if self.backend_api_key else "",
+            sglang_admin_api_key="***" if self.sglang_admin_api_key else "",
             client_api_keys=("***",) if self.client_api_keys else (),
             # the demo backends' --api-key may be among their options
             demo_args=("***",) if any("api-key" in arg for arg in self.demo_args)

@@ -181,6 +181,12 @@ SETTINGS: tuple[Setting, ...] = (
         int_in(1, 65535), "8998", "SGLang disaggregation bootstrap port sent to both legs",
     ),
     Setting(
+        "sglang_admin_api_key", "PD_PROXY_SGLANG_ADMIN_API_KEY", "--sglang-admin-api-key",
+        _backend_key, "", "sglang: the key of SGLang's --admin-api-key, sent as "
+        "authorization: Bearer <key> on the proxy's POST /abort_request (once set, SGLang "
+        "takes only that key there); empty: the legs' own authorization",
+    ),
+    Setting(
         "dns_refresh", "PD_PROXY_DNS_REFRESH_SECONDS", "--dns-refresh", seconds_value, "10",
         "how often dns+ endpoints are resolved again",
     ),

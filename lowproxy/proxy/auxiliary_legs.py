@@ -85,10 +85,12 @@ async def send_abort(upstream: Upstream, endpoint: Endpoint, rids: tuple[str, ..
     SGLang (one tokenizer worker) aborts the exact rid only, and a batch's
     children run as ``<rid>_<i>``: each is aborted by name, at most
     MAX_ABORTED_RIDS (the rest are left to SGLang noticing the closed
-    connection). The ``authorization`` of ``leg_headers`` (the backend key,
-    or the client's with PD_PROXY_FORWARD_AUTHORIZATION) goes along, as
-    SGLang's --api-key guards this path too. Best effort and bounded: the outcome is logged,
-    never raised; the first failure ends the round (the backend is gone).
+    connection). The ``authorization`` of ``leg_headers`` goes along: the
+    backend key, or the client's with PD_PROXY_FORWARD_AUTHORIZATION, as
+    SGLang's --api-key guards this path too, or PD_PROXY_SGLANG_ADMIN_API_KEY,
+    the only key it takes once SGLang has an --admin-api-key. Best effort and
+    bounded: the outcome is logged, never raised; the first failure ends the
+    round (the backend is gone).
     """
     headers = [*ABORT_HEADERS, *(h for h in leg_headers or () if h[0] == b"authorization")]
     statuses: list[int] = []

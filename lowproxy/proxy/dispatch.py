@@ -73,6 +73,10 @@ class Dispatcher:
         self.metrics = metrics
         self.tracing = tracing
         self.background = BackgroundTasks()  # prefill legs left to finish, aborts
+        # SGLang's --admin-api-key: once set, the only key /abort_request takes.
+        admin = config.sglang_admin_api_key
+        self._abort_authorization = [(b"authorization", b"Bearer " + admin.encode())] \
+            if admin else None
         self.deadlines = Deadlines()  # the legs' bounds
         self.engine_loads: EngineLoads | None = None  # set by the proxy: ORCA reports
 
@@ -408,7 +412,8 @@ class Dispatcher:
         if role == "decode":
             exchange.decode_endpoint = None  # once per leg
         self.background.spawn(send_abort(self.upstream, endpoint, rids, role,
-                                         exchange.request_id, exchange.upstream_headers))
+                                         exchange.request_id, self._abort_authorization
+                                         or exchange.upstream_headers))
 
     # -- prefill
 

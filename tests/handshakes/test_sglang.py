@@ -6,6 +6,8 @@ so a room that differs between the legs, or a prefill that never runs, shows.
 
 from __future__ import annotations
 
+import logging
+
 from helpers import (
     CHAT,
     ScriptedBackend,
@@ -238,3 +240,22 @@ async def test_a_prefill_answer_beyond_8_mib_is_let_go_not_failed():
     finally:
         await prefill.close()
         await decode.close()
+
+
+async def test_aborts_carry_the_sglang_admin_key_when_one_is_set(caplog):
+    """SGLang with --admin-api-key takes only that key on /abort_request: with
+    PD_PROXY_SGLANG_ADMIN_API_KEY set, aborts carry it (and the legs the backend key);
+    the key is in no log line."""
+    caplog.set_level(logging.DEBUG, logger="lowproxy")
+    async with pd_setup("sglang", backend_api_key="sk-backend",
+                        sglang_admin_api_key="sk-admin") as (proxy, prefill, decode):
+        prefill.faults.status = 503
+        reply = await proxy.request("POST", CHAT, chat())
+        assert reply.status == 502
+        await wait_until(lambda: decode.requests_to("/abort_request"), what="decode aborted")
+        [abort] = decode.requests_to("/abort_request")
+        assert abort.header("authorization") == b"Bearer sk-admin"
+        [leg] = decode.requests_to("/chat/completions")
+        assert leg.header("authorization") == b"Bearer sk-backend"
+    assert "sk-admin" not in caplog.text
+    assert "sk-admin" not in repr(proxy.proxy.config)
