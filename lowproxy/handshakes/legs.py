@@ -282,6 +282,9 @@ class Plan:
     # SGLang: the rids each leg is served under (the proxy's own; one per child
     # of a batch), to abort them by.
     abort_rids: tuple[str, ...] = ()
+    # SGLang's /generate with return_logprob: decode's answer gets the prefill's
+    # prompt logprobs in front of its own (sglang_logprobs.py).
+    merge_input_logprobs: bool = False
     # Gives fallback_body's bytes where the plan keeps the client's body otherwise
     # than as client_body (relay: encoded while the prefill leg runs).
     fallback: Callable[[], bytes] | None = None

@@ -22,6 +22,7 @@ from .._types import Body
 from ..routes import CHAT, COMPLETIONS, SGLANG_GENERATE
 from ..upstream.endpoint import Endpoint
 from .legs import Plan, serialise, sglang_body
+from .sglang_logprobs import wants_merge
 
 # A room is a non-negative int64 in SGLang; a random 63-bit integer each.
 ROOM_BITS = 63
@@ -124,4 +125,5 @@ def plan(body: Body, target: bytes, path: bytes, prefill: Endpoint, bootstrap_ho
     # fallback to keep the parsed prompt for while both legs run.
     return Plan(b"POST", target, shaped, prefill=prefill,
                 prefill_target=path, prefill_body=shaped, concurrent=True,
-                abort_rids=child_rids(rid, batch))
+                abort_rids=child_rids(rid, batch),
+                merge_input_logprobs=wants_merge(surface, body))

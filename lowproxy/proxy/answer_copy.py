@@ -6,8 +6,11 @@ dispatch sets, and raises Truncated when decode breaks off.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .._types import Headers
 from ..downstream.messages import ResponseWriter
+from ..handshakes.sglang_logprobs import merge_body, merge_events
 from ..handshakes.usage import carries_usage, rewrite_body, rewrite_events
 from ..headers import client_response_head
 from ..observability.metrics import Histogram, Metrics
@@ -38,18 +41,21 @@ async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
         response.headers, exchange.wants_stream and 200 <= response.status < 300)
     cached = exchange.prefill_cached_tokens
     surface = exchange.surface
-    if cached is not None and surface is not None and 200 <= response.status < 300:
+    logprobs = exchange.prefill_input_logprobs  # SGLang's prompt logprobs, to merge
+    if (cached is not None or logprobs is not None) and surface is not None \
+            and 200 <= response.status < 300:
         # The prefill's cached-token figure goes into decode's usage.
         if content_length is not None:
             await _relay_rewritten(metrics, exchange, responder, response, headers, surface,
-                                  cached)
+                                  cached or 0, logprobs)
             return
     else:
         surface = None
     await responder.start(response.status, headers, content_length)
     del headers
     response.headers = []  # relayed: a stream that lasts minutes keeps no copy
-    delivery = _Delivery(exchange, responder, metrics.decode_first_byte, surface, cached or 0)
+    delivery = _Delivery(exchange, responder, metrics.decode_first_byte, surface, cached or 0,
+                         logprobs)
     try:
         await response.deliver_body(delivery.deliver, responder.wait_for_client)
     except UpstreamError as exc:
@@ -75,15 +81,16 @@ class _Delivery:
     life, and five cells, a tuple and a function cost three times its size.
     """
 
-    __slots__ = ("exchange", "responder", "histogram", "surface", "cached", "held")
+    __slots__ = ("exchange", "responder", "histogram", "surface", "cached", "logprobs", "held")
 
     def __init__(self, exchange: Exchange, responder: ResponseWriter, histogram: Histogram,
-                 surface: str | None, cached: int) -> None:
+                 surface: str | None, cached: int, logprobs: list[Any] | None = None) -> None:
         self.exchange = exchange
         self.responder = responder
         self.histogram = histogram
         self.surface = surface
         self.cached = cached
+        self.logprobs = logprobs  # SGLang's prompt logprobs: merged instead of usage
         self.held = b""  # a line begun in an earlier read (surface set only)
 
     def first_byte(self) -> None:
@@ -101,7 +108,9 @@ class _Delivery:
                 pieces = self._whole_lines(pieces)
                 if not pieces:
                     return False  # nothing to write yet: the client is not slow
-            if carries_usage(surface, pieces):
+            if self.logprobs is not None:
+                pieces = [merge_events(piece, self.logprobs) for piece in pieces]
+            elif carries_usage(surface, pieces):
                 pieces = [rewrite_events(surface, piece, self.cached) for piece in pieces]
         return self.responder.relay(pieces)
 
@@ -126,7 +135,7 @@ class _Delivery:
 
 async def _relay_rewritten(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
                            response: UpstreamResponse, headers: Headers, surface: str,
-                           cached: int) -> None:
+                           cached: int, logprobs: list[Any] | None = None) -> None:
     """A length-framed answer, read whole, its usage rewritten, its length recomputed."""
     try:
         raw = await response.read(MAX_REWRITTEN_BYTES)
@@ -134,7 +143,8 @@ async def _relay_rewritten(metrics: Metrics, exchange: Exchange, responder: Resp
         raise Truncated(exc.detail, response.endpoint.label) from None
     exchange.first_byte_ms = exchange.elapsed_ms()
     metrics.decode_first_byte.observe(exchange.first_byte_ms / 1000.0)
-    body = rewrite_body(surface, raw, cached) or raw
+    body = (merge_body(raw, logprobs) if logprobs is not None
+            else rewrite_body(surface, raw, cached)) or raw
     await responder.start(response.status, headers, len(body))
     responder.buffer(body)  # head, body and end go out in one write
     await responder.end()

@@ -38,7 +38,7 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
                            surface: str | None = None,
                            on_load: Callable[[bytes | None], None] | None = None,
                            while_waiting: Callable[[], None] | None = None,
-                           finish: str | None = None,
+                           finish: str | None = None, logprobs: bool = False,
                            ) -> tuple[PrefillResult, int | None]:
     """One prefill leg and what its answer means; never raises for a backend failure.
 
@@ -68,7 +68,8 @@ async def send_prefill_leg(upstream: Upstream, endpoint: Endpoint, target: bytes
                                                  MAX_PREFILL_DRAINED_BYTES)
             finally:
                 await response.aclose()
-        return prefill_outcome(response.status, raw, want_kv, surface, finish), status
+        return prefill_outcome(response.status, raw, want_kv, surface, finish,
+                               logprobs), status
     except TimeoutError:
         return PrefillResult(False, "timeout",
                              detail=f"prefill did not answer within {timeout:g}s"), status

@@ -240,6 +240,7 @@ class Dispatcher:
                 if result.ok and response is not None and result.outcome != "stopped":
                     # Committed: decode reads the KV prefill made.
                     exchange.prefill_cached_tokens = result.cached_tokens
+                    exchange.prefill_input_logprobs = result.input_logprobs
                     return response
                 self._drop_decode(exchange, response, plan.abort_rids)
                 response = None
@@ -445,7 +446,8 @@ class Dispatcher:
                 while_waiting,
                 # Mooncake 0.16+: decode already waits for this KV, which a stopped
                 # prefill has freed.
-                exchange.surface if handshake == "mooncake" and not want_kv else None)
+                exchange.surface if handshake == "mooncake" and not want_kv else None,
+                plan.merge_input_logprobs)
         finally:
             # Now, not when a stream that may last minutes ends: its prompt no
             # longer loads the prefill endpoint.

@@ -48,6 +48,7 @@ class Exchange:
     surface: str | None = None  # the generation surface (routes.CHAT, ...), if one
     model: str | None = None  # the model a generation request names (routes its legs)
     prefill_cached_tokens: int | None = None  # the prefill's figure, for decode's usage
+    prefill_input_logprobs: list[Any] | None = None  # SGLang's, for decode's answer
     prefill_lease: PrefillLease | None = None  # the prefill choice, released at the leg's end
     prefill_leg: PrefillLeg = PrefillLeg.NOT_SENT
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..handshakes.backend_json import MAX_PREFILL_ANSWER_BYTES, BadAnswer, strict_loads
+from ..handshakes.sglang_logprobs import prefill_input_logprobs
 from ..handshakes.usage import cached_tokens_of, prompt_tokens_of
 from ..routes import CHAT, COMPLETIONS, MESSAGES, RESPONSES
 from ..upstream.errors import UpstreamError
@@ -75,7 +76,7 @@ class PrefillRefused(Failure):
 
 class PrefillResult:
     __slots__ = ("ok", "outcome", "kv_transfer_params", "detail", "status", "body",
-                 "cached_tokens", "prompt_tokens", "prompt_token_ids")
+                 "cached_tokens", "prompt_tokens", "prompt_token_ids", "input_logprobs")
 
     def __init__(self, ok: bool, outcome: str, kv_transfer_params: Any = None,
                  detail: str = "", status: int = 0, body: bytes = b"") -> None:
@@ -88,10 +89,11 @@ class PrefillResult:
         self.cached_tokens: int | None = None  # what the prefill's prefix cache held
         self.prompt_tokens: int | None = None  # of a prompt this long (the hit rate's base)
         self.prompt_token_ids: Any = None  # with return_token_ids (tokenize once)
+        self.input_logprobs: list[Any] | None = None  # SGLang's prompt logprobs, to merge
 
 
-def prefill_outcome(status: int, raw: bytes, want_kv: bool,
-                    surface: str | None = None, finish: str | None = None) -> PrefillResult:
+def prefill_outcome(status: int, raw: bytes, want_kv: bool, surface: str | None = None,
+                    finish: str | None = None, logprobs: bool = False) -> PrefillResult:
     """What a prefill answer means for the decode leg (pure).
 
     ``want_kv``: relay, decode needs prefill's kv_transfer_params. ``surface``:
@@ -99,6 +101,8 @@ def prefill_outcome(status: int, raw: bytes, want_kv: bool,
     ``finish`` (Mooncake, the surface): an answer whose one token ended it as
     stopped, not on the length cap, is outcome ``stopped``: Mooncake freed that
     KV at once, and the decode waiting for it would wait 480 s for nothing.
+    ``logprobs`` (SGLang's /generate with return_logprob): keep the prompt
+    logprobs the prefill answered, for decode's answer.
     """
     if status in REFUSED_BY_PREFILL:
         return PrefillResult(False, "rejected", detail=f"prefill refused the request ({status})",
@@ -111,6 +115,10 @@ def prefill_outcome(status: int, raw: bytes, want_kv: bool,
                              "server is misconfigured (key, path or model), not the request")
     if not 200 <= status < 300:
         return PrefillResult(False, "error", detail=f"prefill answered {status}")
+    if logprobs:  # SGLang: nothing else of the answer is read
+        result = PrefillResult(True, "ok")
+        result.input_logprobs = prefill_input_logprobs(raw)
+        return result
     if not want_kv and surface is None and finish is None:
         return PrefillResult(True, "ok")
     try:

@@ -6,6 +6,8 @@ so a room that differs between the legs, or a prefill that never runs, shows.
 
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 
 from helpers import (
@@ -259,3 +261,90 @@ async def test_aborts_carry_the_sglang_admin_key_when_one_is_set(caplog):
         assert leg.header("authorization") == b"Bearer sk-backend"
     assert "sk-admin" not in caplog.text
     assert "sk-admin" not in repr(proxy.proxy.config)
+
+
+PREFILL_LOGPROBS = [[-1.5, 11, None], [-2.5, 12, None]]
+
+
+def _generate_answer(own: list, text: str = "hi") -> dict:
+    return {"text": text, "meta_info": {"id": "x", "input_token_logprobs": own,
+                                        "output_token_logprobs": [[-0.1, 5, None]]}}
+
+
+async def _logprob_pair(stream_events: int = 0):
+    async def prefill_answer(request, responder):
+        answer = _generate_answer(PREFILL_LOGPROBS, "")
+        if json.loads(request.body).get("stream"):
+            await responder.start(200, [(b"content-type", b"text/event-stream")])
+            await responder.write(b"data: " + json.dumps(answer).encode() + b"\n\n")
+            await responder.write(b"data: [DONE]\n\n")
+            await responder.end()
+        else:
+            await responder.send_json(200, answer)
+
+    async def decode_answer(request, responder):
+        if json.loads(request.body).get("stream"):
+            await responder.start(200, [(b"content-type", b"text/event-stream")])
+            for index in range(stream_events):
+                event = json.dumps(_generate_answer([], "hi" * (index + 1))).encode()
+                await responder.write(b"data: " + event[:9])  # cut across reads
+                await asyncio.sleep(0.003)
+                await responder.write(event[9:] + b"\n\n")
+            await responder.write(b"data: [DONE]\n\n")
+            await responder.end()
+        else:
+            await responder.send_json(200, _generate_answer([[-0.7, 13, None]]))
+
+    return await ScriptedBackend(prefill_answer).start(), \
+        await ScriptedBackend(decode_answer).start()
+
+
+async def test_generate_with_return_logprob_gets_the_prefills_prompt_logprobs():
+    """Decode never runs the prompt: as SGLang's mini_lb and model gateway do, the
+    prefill's meta_info.input_token_logprobs go in front of decode's, whole and
+    streamed (every event); without return_logprob decode's bytes go on untouched."""
+    prefill, decode = await _logprob_pair(stream_events=2)
+    try:
+        config = config_for(prefill.url(), decode.url(), kv_protocol="sglang")
+        async with running_proxy(config) as proxy:
+            body = {"text": "hello", "sampling_params": {"max_new_tokens": 2},
+                    "return_logprob": True, "logprob_start_len": 0}
+            whole = await proxy.request("POST", "/generate", body)
+            assert whole.status == 200, whole.body
+            assert whole.json()["meta_info"]["input_token_logprobs"] == \
+                PREFILL_LOGPROBS + [[-0.7, 13, None]]
+            streamed = await proxy.request("POST", "/generate", dict(body, stream=True))
+            events = [json.loads(line[6:]) for line in streamed.body.split(b"\n\n")
+                      if line.startswith(b"data: {")]
+            assert len(events) == 2 and streamed.body.endswith(b"data: [DONE]\n\n")
+            for event in events:
+                assert event["meta_info"]["input_token_logprobs"] == PREFILL_LOGPROBS
+            plain = await proxy.request("POST", "/generate", dict(body, return_logprob=False))
+            assert plain.json()["meta_info"]["input_token_logprobs"] == [[-0.7, 13, None]]
+    finally:
+        await prefill.close()
+        await decode.close()
+
+
+def test_the_logprob_merge_leaves_what_it_does_not_understand():
+    from lowproxy.handshakes.sglang_logprobs import (
+        merge_body,
+        merge_events,
+        prefill_input_logprobs,
+        wants_merge,
+    )
+    from lowproxy.routes import CHAT, SGLANG_GENERATE
+    assert wants_merge(SGLANG_GENERATE, {"return_logprob": True})
+    assert not wants_merge(CHAT, {"return_logprob": True})
+    assert not wants_merge(SGLANG_GENERATE, {})
+    assert prefill_input_logprobs(b'[{"meta_info":{"input_token_logprobs":[1]}}]') is None
+    assert prefill_input_logprobs(b"not json") is None
+    assert prefill_input_logprobs(b'data: {"meta_info":{"input_token_logprobs":[1]}}\n\n'
+                                  b"data: [DONE]\n\n") == [1]
+    assert merge_body(b'[{"meta_info":{"input_token_logprobs":[]}}]', [1]) is None  # a batch
+    assert merge_body(b'{"meta_info":{}}', [1]) is None
+    assert merge_body(b'{"meta_info":{"input_token_logprobs":[2]}}', [1]) == \
+        b'{"meta_info":{"input_token_logprobs":[1,2]}}'
+    assert merge_events(b"data: [DONE]\n\n", [1]) == b"data: [DONE]\n\n"
+    assert merge_events(b'data: {"meta_info":{"input_token_logprobs":[]}}\n\n', [1]) == \
+        b'data: {"meta_info":{"input_token_logprobs":[1]}}\n\n'

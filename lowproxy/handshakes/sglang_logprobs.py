@@ -1,0 +1,94 @@
+"""SGLang's /generate with ``return_logprob``: the prompt's logprobs are the prefill's.
+
+A disaggregated decode never runs the prompt (it pulls the KV), so its
+``meta_info.input_token_logprobs`` holds none of the prompt's entries; the
+prefill computed them. SGLang's own PD routers (mini_lb's ``generate`` and
+``generate_stream``, the model gateway's ``merge_logprobs_in_json``) put the
+prefill's list in front of decode's, in a whole answer and in every streamed
+event; lowproxy does the same. Only an answer that is one object is merged
+(a batch's list goes on as decode sent it, as through mini_lb), and only where
+decode's answer carries the list itself. Pure functions on bytes.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .._types import Body
+from ..routes import SGLANG_GENERATE
+
+_DECODER = json.JSONDecoder()
+_COMPACT = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+
+
+def wants_merge(surface: str, body: Body) -> bool:
+    """Whether this request's answer gets the prefill's prompt logprobs."""
+    return surface == SGLANG_GENERATE and bool(body.get("return_logprob"))
+
+
+def prefill_input_logprobs(raw: bytes) -> list[Any] | None:
+    """The prefill answer's ``meta_info.input_token_logprobs``: of its JSON object, or
+    of the first event of a streamed answer (where SGLang puts them); else None."""
+    text = raw.lstrip()
+    if text.startswith(b"data:"):
+        text = text[5:].split(b"\n", 1)[0]
+    answer = _object(text)
+    return _input_of(answer) if answer is not None else None
+
+
+def merge_body(raw: bytes, prefix: list[Any]) -> bytes | None:
+    """Decode's whole answer with ``prefix`` in front of its prompt logprobs; None to
+    relay it as it is (not one object, no such list, not writable as JSON)."""
+    answer = _object(raw)
+    if answer is None or not _merge(answer, prefix):
+        return None
+    return _written(answer)
+
+
+def merge_events(piece: bytes, prefix: list[Any]) -> bytes:
+    """Whole lines of a streamed answer, each event's prompt logprobs merged."""
+    if piece.find(b'"input_token_logprobs"') < 0:
+        return piece
+    lines = piece.split(b"\n")
+    for index, line in enumerate(lines):
+        if line.startswith(b"data:") and line.find(b'"input_token_logprobs"') >= 0:
+            event = _object(line[5:])
+            if event is not None and _merge(event, prefix):
+                written = _written(event)
+                if written is not None:
+                    lines[index] = b"data: " + written
+    return b"\n".join(lines)
+
+
+def _merge(answer: Body, prefix: list[Any]) -> bool:
+    meta = answer.get("meta_info")
+    own = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+    if not isinstance(own, list):
+        return False
+    meta["input_token_logprobs"] = prefix + own  # type: ignore[index]
+    return True
+
+
+def _input_of(answer: Body) -> list[Any] | None:
+    meta = answer.get("meta_info")
+    found = meta.get("input_token_logprobs") if isinstance(meta, dict) else None
+    return found if isinstance(found, list) else None
+
+
+def _object(raw: bytes) -> Body | None:
+    try:
+        value = _DECODER.decode(raw.decode("utf-8").strip())
+    except (ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _written(value: Body) -> bytes | None:
+    try:
+        return _COMPACT.encode(value).encode()
+    except (ValueError, RecursionError):  # a number JSON cannot carry: decode's bytes
+        return None
+
+
+__all__ = ["merge_body", "merge_events", "prefill_input_logprobs", "wants_merge"]
