@@ -30,7 +30,7 @@ from ..upstream.endpoint import Endpoint
 from ..upstream.errors import UpstreamUnreachable, UpstreamUntrusted
 from ..upstream.pool import Upstream, UpstreamError, UpstreamResponse, UpstreamTimeout
 from .answer_copy import relay
-from .auxiliary_legs import BackgroundTasks, send_abort, send_prefill_leg
+from .auxiliary_legs import BackgroundTasks, send_prefill_leg
 from .exchange import Exchange, PrefillLeg
 from .failure_answers import answer_failure
 from .failures import (
@@ -42,6 +42,7 @@ from .failures import (
     PrefillRefused,
     PrefillResult,
 )
+from .leg_aborts import LegAborts
 from .prefill_watch import PrefillWatch
 from .tracing import Tracing
 
@@ -73,10 +74,7 @@ class Dispatcher:
         self.metrics = metrics
         self.tracing = tracing
         self.background = BackgroundTasks()  # prefill legs left to finish, aborts
-        # SGLang's --admin-api-key: once set, the only key /abort_request takes.
-        admin = config.sglang_admin_api_key
-        self._abort_authorization = [(b"authorization", b"Bearer " + admin.encode())] \
-            if admin else None
+        self.aborts = LegAborts(upstream, self.background, config.sglang_admin_api_key)
         self.deadlines = Deadlines()  # the legs' bounds
         self.engine_loads: EngineLoads | None = None  # set by the proxy: ORCA reports
 
@@ -118,7 +116,7 @@ class Dispatcher:
             except (asyncio.CancelledError, ClientGone) as exc:
                 if isinstance(exc, ClientGone) or responder.client_gone:
                     self.metrics.decode_legs.inc("client-gone")
-                    self._abort(exchange, response.endpoint, "decode", abort_rids)
+                    self.aborts.abort(exchange, response.endpoint, "decode", abort_rids)
                 raise
             finally:
                 await response.aclose()
@@ -228,13 +226,14 @@ class Dispatcher:
                     # Decode failed first: that is the client's answer, and a
                     # prefill still running is not waited for.
                     if not prefill_task.done():
-                        prefill_closed = await self._close_prefill(exchange, plan, prefill_task)
+                        prefill_closed = await self.aborts.close_prefill(exchange, plan,
+                                                                         prefill_task)
                     raise
                 watch.opening = False
                 if (response is not None and not 200 <= response.status < 300
                         and not prefill_task.done()):
                     # Decode answered an error while prefill still runs: relayed at once.
-                    prefill_closed = await self._close_prefill(exchange, plan, prefill_task)
+                    prefill_closed = await self.aborts.close_prefill(exchange, plan, prefill_task)
                     return response
                 result = await watch.result(loop)
                 if result.ok and response is not None and result.outcome != "stopped":
@@ -242,7 +241,7 @@ class Dispatcher:
                     exchange.prefill_cached_tokens = result.cached_tokens
                     exchange.prefill_input_logprobs = result.input_logprobs
                     return response
-                self._drop_decode(exchange, response, plan.abort_rids)
+                self.aborts.drop_decode(exchange, response, plan.abort_rids)
                 response = None
                 body = self._recomputed(exchange, plan) if result.outcome == "stopped" \
                     else self._without_kv(exchange, plan, result)
@@ -250,49 +249,16 @@ class Dispatcher:
                 answer = await self._open_decode_bounded(
                     exchange, responder, plan.method, plan.decode_target, body)
         except TimeoutError:
-            self._drop_decode(exchange, response, plan.abort_rids)
+            self.aborts.drop_decode(exchange, response, plan.abort_rids)
             raise DecodeTimedOut() from None
         except BaseException:
             # The client left, or decode failed: abort decode at once; a prefill
             # still running is left to finish, unless it can be aborted by rid.
-            self._drop_decode(exchange, response, plan.abort_rids)
+            self.aborts.drop_decode(exchange, response, plan.abort_rids)
             if not prefill_task.done() and not prefill_closed and plan.prefill is not None:
-                self._abort(exchange, plan.prefill, "prefill", plan.abort_rids)
+                self.aborts.abort(exchange, plan.prefill, "prefill", plan.abort_rids)
             raise
         return answer
-
-    async def _close_prefill(self, exchange: Exchange, plan: Plan,
-                             prefill_task: asyncio.Task[PrefillResult]) -> bool:
-        """Decode failed first: SGLang's prefill leg (which would wait for that
-        decode up to SGLANG_DISAGGREGATION_WAITING_TIMEOUT, 300 s) is aborted by
-        rid and closed; a vLLM one is left to finish, as aborting it
-        mid-transfer can leak KV blocks.
-
-        Two loop iterations first: decode's failure reaches this point as it
-        did when decode ran in a task of its own (through its done callback and
-        a wake-up), so a prefill leg whose connection was being made is sent,
-        then aborted, as before; never on the path of a request that succeeds.
-        """
-        if not plan.abort_rids or plan.prefill is None:
-            return False
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        if prefill_task.done():
-            return False
-        self._abort(exchange, plan.prefill, "prefill", plan.abort_rids)
-        prefill_task.cancel()  # its connection is discarded: SGLang notices that too
-        return True
-
-    def _drop_decode(self, exchange: Exchange, response: UpstreamResponse | None,
-                     abort_rids: tuple[str, ...]) -> None:
-        """Close a decode leg that will not be relayed, and abort it by rid (SGLang).
-
-        A leg whose head had not come is closed already: the cancelled or
-        failed wait discarded its connection."""
-        if response is not None:
-            response.abandon()
-        if exchange.decode_endpoint is not None:
-            self._abort(exchange, exchange.decode_endpoint, "decode", abort_rids)
 
     def _without_kv(self, exchange: Exchange, plan: Plan,
                     failed: PrefillResult | str) -> bytes:
@@ -401,20 +367,6 @@ class Dispatcher:
             return self.deadlines.within(limit)
         return self.deadlines.within(
             max(0.0, limit - (time.perf_counter() - exchange.decode_started)))
-
-    # -- SGLang aborts: no leg waits out SGLANG_DISAGGREGATION_WAITING_TIMEOUT
-
-    def _abort(self, exchange: Exchange, endpoint: Endpoint, role: str,
-               rids: tuple[str, ...]) -> None:
-        """Ask ``endpoint`` to abort this request's leg by the plan's rids (SGLang only),
-        with the legs' own authorization (SGLang's --api-key guards that path)."""
-        if not rids:
-            return
-        if role == "decode":
-            exchange.decode_endpoint = None  # once per leg
-        self.background.spawn(send_abort(self.upstream, endpoint, rids, role,
-                                         exchange.request_id, self._abort_authorization
-                                         or exchange.upstream_headers))
 
     # -- prefill
 
