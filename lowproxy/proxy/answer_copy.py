@@ -6,10 +6,11 @@ dispatch sets, and raises Truncated when decode breaks off.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from .._types import Headers
-from ..downstream.messages import ResponseWriter
+from ..downstream.messages import ClientGone, ResponseWriter
 from ..handshakes.sglang_logprobs import merge_body, merge_events
 from ..handshakes.usage import carries_usage, rewrite_body, rewrite_events
 from ..headers import client_response_head
@@ -59,7 +60,8 @@ async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
     try:
         await response.deliver_body(delivery.deliver, responder.wait_for_client)
     except UpstreamError as exc:
-        delivery.release()  # decode's bytes, all of them, up to where it broke off
+        with contextlib.suppress(ClientGone):  # the break-off is what is told, not that
+            delivery.release()  # decode's bytes, all of them, up to where it broke off
         raise Truncated(exc.detail, response.endpoint.label) from None
     delivery.first_byte()
     delivery.release()
@@ -81,7 +83,8 @@ class _Delivery:
     life, and five cells, a tuple and a function cost three times its size.
     """
 
-    __slots__ = ("exchange", "responder", "histogram", "surface", "cached", "logprobs", "held")
+    __slots__ = ("exchange", "responder", "histogram", "surface", "cached", "logprobs", "held",
+                 "held_bytes")
 
     def __init__(self, exchange: Exchange, responder: ResponseWriter, histogram: Histogram,
                  surface: str | None, cached: int, logprobs: list[Any] | None = None) -> None:
@@ -91,7 +94,10 @@ class _Delivery:
         self.surface = surface
         self.cached = cached
         self.logprobs = logprobs  # SGLang's prompt logprobs: merged instead of usage
-        self.held = b""  # a line begun in an earlier read (surface set only)
+        # A line begun in earlier reads (surface set only), in the pieces it came
+        # in: joined once its newline comes, so a long line costs no quadratic copy.
+        self.held: list[bytes] = []
+        self.held_bytes = 0
 
     def first_byte(self) -> None:
         exchange = self.exchange
@@ -104,7 +110,8 @@ class _Delivery:
             self.first_byte()
         surface = self.surface
         if surface is not None:
-            if self.held or not pieces[-1].endswith(b"\n"):
+            # One read may bring several chunks: any of them may end mid-line.
+            if self.held or len(pieces) != 1 or not pieces[0].endswith(b"\n"):
                 pieces = self._whole_lines(pieces)
                 if not pieces:
                     return False  # nothing to write yet: the client is not slow
@@ -116,21 +123,26 @@ class _Delivery:
 
     def _whole_lines(self, pieces: list[bytes]) -> list[bytes]:
         """The bytes up to the last newline, what follows held for the next read."""
-        data = self.held + b"".join(pieces)
+        data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
         cut = data.rfind(b"\n") + 1
-        if cut == 0 and len(data) <= MAX_HELD_LINE_BYTES:
-            self.held = data
-            return []
-        if cut == 0:  # a line beyond the bound: on as it is
-            cut = len(data)
-        self.held = data[cut:]
-        return [data[:cut]]
+        held = self.held
+        if cut == 0:  # still within one line
+            held.append(data)
+            self.held_bytes += len(data)
+            if self.held_bytes <= MAX_HELD_LINE_BYTES:
+                return []
+            cut = len(data)  # a line beyond the bound: on as it is
+            held.pop()
+        whole = b"".join((*held, data[:cut])) if held else data[:cut]
+        rest = data[cut:]
+        self.held, self.held_bytes = ([rest], len(rest)) if rest else ([], 0)
+        return [whole]
 
     def release(self) -> None:
         """What is held goes out as it is: decode's answer ended (or broke off) there."""
-        held, self.held = self.held, b""
+        held, self.held, self.held_bytes = self.held, [], 0
         if held:
-            self.responder.relay([held])
+            self.responder.relay([b"".join(held)])
 
 
 async def _relay_rewritten(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,

@@ -23,6 +23,7 @@ from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.legs import Plan, half_filled
 from ..observability import logs
 from ..observability.metrics import Metrics
+from ..routes import MESSAGES
 from ..routing.engine_load import ASK_ORCA, EngineLoads
 from ..routing.groups import BackendGroup
 from ..timeouts import Deadlines
@@ -397,8 +398,11 @@ class Dispatcher:
                 None if loads is None else lambda report: loads.orca(endpoint, report),
                 while_waiting,
                 # Mooncake 0.16+: decode already waits for this KV, which a stopped
-                # prefill has freed.
-                exchange.surface if handshake == "mooncake" and not want_kv else None,
+                # prefill has freed. Only Messages can stop: the other surfaces'
+                # prefill legs carry ignore_eos and none of the stop fields, so
+                # theirs are not parsed for it (6 us a request).
+                MESSAGES if handshake == "mooncake" and not want_kv
+                and exchange.surface == MESSAGES else None,
                 plan.merge_input_logprobs)
         finally:
             # Now, not when a stream that may last minutes ends: its prompt no

@@ -11,7 +11,7 @@ from typing import Any
 from ..handshakes.backend_json import MAX_PREFILL_ANSWER_BYTES, BadAnswer, strict_loads
 from ..handshakes.sglang_logprobs import prefill_input_logprobs
 from ..handshakes.usage import cached_tokens_of, prompt_tokens_of
-from ..routes import CHAT, COMPLETIONS, MESSAGES, RESPONSES
+from ..routes import CHAT, COMPLETIONS, MESSAGES
 from ..upstream.errors import UpstreamError
 
 # Prefill statuses that say the request itself is wrong: relayed to the client.
@@ -154,8 +154,8 @@ def finished_stopped(surface: str, answer: dict[str, Any]) -> bool:
         return isinstance(first, dict) and first.get("finish_reason") == "stop"
     if surface == MESSAGES:
         return answer.get("stop_reason") in ("end_turn", "stop_sequence")
-    if surface == RESPONSES:  # capped at max_output_tokens it is "incomplete"
-        return answer.get("status") == "completed"
+    # Not Responses: vLLM's "completed" status is its catch-all, a length-capped
+    # answer's too in some releases, so it tells nothing for certain.
     return False
 
 

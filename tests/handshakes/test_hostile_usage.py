@@ -102,6 +102,7 @@ class HostileDecode:
     def __init__(self) -> None:
         self.usage = "{}"
         self.cut = 0  # streamed: written in pieces of this many bytes, each read apart
+        self.coalesce = False  # the pieces back to back: several chunks in one read
         self.sent: list[bytes] = []
         self.backend = ScriptedBackend(self._answer)
 
@@ -116,7 +117,8 @@ class HostileDecode:
         if self.cut:  # as TCP segments or TLS records may cut them on a real network
             for start in range(0, len(raw), self.cut):
                 await responder.write(raw[start:start + self.cut])
-                await asyncio.sleep(0.003)  # its own read at the proxy
+                if not self.coalesce:
+                    await asyncio.sleep(0.003)  # its own read at the proxy
         else:
             for event in raw.split(b"\n\n")[:-1]:  # one event per write, as vLLM writes
                 await responder.write(event + b"\n\n")
@@ -166,10 +168,11 @@ async def test_usage_of_the_right_shape_is_still_rewritten(stream):
                 b'"cache_read_input_tokens":0' in reply.body, reply.body
 
 
-@pytest.mark.parametrize("cut", [7, 61])
-async def test_a_usage_event_cut_across_reads_is_still_rewritten(cut):
+@pytest.mark.parametrize("cut, coalesce", [(7, False), (61, False), (7, True), (61, True)])
+async def test_a_usage_event_cut_across_reads_is_still_rewritten(cut, coalesce):
     """A usage event's data line split over several reads is held until its newline,
-    then rewritten: every other byte of decode's stream goes on as it came."""
+    then rewritten: every other byte of decode's stream goes on as it came. Also when
+    the cut pieces come back to back, several chunks in one read (a re-chunking hop)."""
     shapes = {CHAT_PATH: '{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":5}}',
               COMPLETIONS_PATH: '{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":5}}',
               RESPONSES_PATH: '{"input_tokens":5,"input_tokens_details":{"cached_tokens":5}}',
@@ -177,7 +180,7 @@ async def test_a_usage_event_cut_across_reads_is_still_rewritten(cut):
     surfaces = {CHAT_PATH: CHAT, COMPLETIONS_PATH: COMPLETIONS, RESPONSES_PATH: RESPONSES,
                 MESSAGES_PATH: MESSAGES}
     async with cluster() as (proxy, decode):
-        decode.cut = cut
+        decode.cut, decode.coalesce = cut, coalesce
         for path, usage in shapes.items():
             decode.usage = usage
             reply = await proxy.request("POST", path, dict(BODIES[path], stream=True))

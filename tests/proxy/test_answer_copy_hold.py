@@ -1,0 +1,98 @@
+"""proxy/answer_copy.py's held lines, on stubs (the socket tests are in
+tests/handshakes/test_hostile_usage.py): what a broken-off stream raises while a
+line is held, and a long line held in many reads."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from lowproxy.downstream.messages import ClientGone
+from lowproxy.proxy import answer_copy
+from lowproxy.proxy.failures import Truncated
+from lowproxy.routes import CHAT
+from lowproxy.upstream.errors import UpstreamProtocolError
+
+
+class _Histogram:
+    def observe(self, *args: Any) -> None:
+        pass
+
+
+class _Responder:
+    def __init__(self, gone_after: int | None = None) -> None:
+        self.out: list[bytes] = []
+        self.gone_after = gone_after
+
+    async def start(self, status: int, headers: Any, length: Any) -> None:
+        pass
+
+    def relay(self, pieces: list[bytes]) -> bool:
+        if self.gone_after is not None and len(self.out) >= self.gone_after:
+            raise ClientGone()
+        self.out.append(b"".join(pieces))
+        return False
+
+    async def end(self) -> None:
+        pass
+
+    async def wait_for_client(self) -> None:
+        pass
+
+
+class _Response:
+    status = 200
+
+    def __init__(self, reads: list[bytes], error: Exception | None = None) -> None:
+        self.reads, self.error = reads, error
+        self.headers = [(b"content-type", b"text/event-stream"),
+                        (b"transfer-encoding", b"chunked")]
+        self.endpoint = SimpleNamespace(label="decode:1")
+
+    async def deliver_body(self, deliver: Any, wait: Any) -> None:
+        for read in self.reads:
+            deliver([read])
+        if self.error is not None:
+            raise self.error
+
+
+def _exchange() -> Any:
+    return SimpleNamespace(wants_stream=True, prefill_cached_tokens=3, surface=CHAT,
+                           prefill_input_logprobs=None, first_byte_ms=None,
+                           elapsed_ms=lambda: 1.0)
+
+
+METRICS: Any = SimpleNamespace(decode_first_byte=_Histogram(),
+                               decode_legs=SimpleNamespace(inc=lambda *a: None))
+
+
+async def test_a_break_off_while_a_line_is_held_is_told_even_if_the_client_left():
+    """The break-off is what goes up (a 502 in the logs, decode named), not the
+    ClientGone the held line's last write met."""
+    response = _Response([b'data: {"a":1}\n\n', b'data: {"partial'],
+                         UpstreamProtocolError("decode:1 broke off", None))
+    with pytest.raises(Truncated):
+        await answer_copy.relay(METRICS, _exchange(), _Responder(gone_after=1), response)
+
+
+def test_a_long_line_held_over_many_reads_goes_out_whole_and_once():
+    line = b"data: " + b"x" * (1024 * 1024) + b"\n\n"
+    responder = _Responder()
+    delivery = answer_copy._Delivery(_exchange(), responder, _Histogram(), CHAT, 3)
+    for start in range(0, len(line), 16 * 1024):
+        delivery.deliver([line[start:start + 16 * 1024]])
+    delivery.release()
+    assert responder.out == [line]
+    assert delivery.held == [] and delivery.held_bytes == 0
+
+
+def test_a_line_beyond_the_bound_goes_on_as_it_comes(monkeypatch):
+    monkeypatch.setattr(answer_copy, "MAX_HELD_LINE_BYTES", 100)
+    responder = _Responder()
+    delivery = answer_copy._Delivery(_exchange(), responder, _Histogram(), CHAT, 3)
+    for _ in range(3):
+        delivery.deliver([b"y" * 60])  # no newline: held while within 100 bytes
+    assert b"".join(responder.out) + b"".join(delivery.held) == b"y" * 180
+    assert delivery.held_bytes <= 100
