@@ -46,19 +46,61 @@ def merge_body(raw: bytes, prefix: list[Any]) -> bytes | None:
     return _written(answer)
 
 
-def merge_events(piece: bytes, prefix: list[Any]) -> bytes:
+class EncodedPrefix:
+    """The prefill's list, its items written once as JSON: every streamed event gets
+    them spliced in as bytes. Encoding them per event cost 6 ms an event for a
+    10,000-token prompt, on the event loop."""
+
+    __slots__ = ("items", "written")
+
+    def __init__(self, items: list[Any]) -> None:
+        self.items = items
+        whole = _written(items)
+        self.written = whole[1:-1] if whole is not None else None  # without [ and ]
+
+
+_KEY = b'"input_token_logprobs"'
+
+
+def merge_events(piece: bytes, prefix: EncodedPrefix) -> bytes:
     """Whole lines of a streamed answer, each event's prompt logprobs merged."""
-    if piece.find(b'"input_token_logprobs"') < 0:
+    if piece.find(_KEY) < 0:
         return piece
     lines = piece.split(b"\n")
     for index, line in enumerate(lines):
-        if line.startswith(b"data:") and line.find(b'"input_token_logprobs"') >= 0:
-            event = _object(line[5:])
-            if event is not None and _merge(event, prefix):
-                written = _written(event)
-                if written is not None:
-                    lines[index] = b"data: " + written
+        if line.startswith(b"data:") and line.find(_KEY) >= 0:
+            lines[index] = _merged_line(line, prefix)
     return b"\n".join(lines)
+
+
+def _merged_line(line: bytes, prefix: EncodedPrefix) -> bytes:
+    """One event's data line merged: by splicing the written prefix where the event
+    is certain to hold the list once (its only such key, meta_info's, a list);
+    else by writing the event again."""
+    event = _object(line[5:])
+    if event is None or _input_of(event) is None:
+        return line
+    start = line.find(_KEY) + len(_KEY)
+    if prefix.written is not None and line.count(_KEY) == 1:
+        at = _skip_space(line, start)
+        if line[at:at + 1] == b":":
+            at = _skip_space(line, at + 1)
+            if line[at:at + 1] == b"[":
+                inner = _skip_space(line, at + 1)
+                if not prefix.written:
+                    return line
+                joint = b"" if line[inner:inner + 1] == b"]" else b","
+                return line[:at + 1] + prefix.written + joint + line[at + 1:]
+    if not _merge(event, prefix.items):
+        return line
+    written = _written(event)
+    return b"data: " + written if written is not None else line
+
+
+def _skip_space(raw: bytes, position: int) -> int:
+    while raw[position:position + 1] in (b" ", b"\t", b"\r"):
+        position += 1
+    return position
 
 
 def _merge(answer: Body, prefix: list[Any]) -> bool:
@@ -84,11 +126,12 @@ def _object(raw: bytes) -> Body | None:
     return value if isinstance(value, dict) else None
 
 
-def _written(value: Body) -> bytes | None:
+def _written(value: Any) -> bytes | None:
     try:
         return _COMPACT.encode(value).encode()
     except (ValueError, RecursionError):  # a number JSON cannot carry: decode's bytes
         return None
 
 
-__all__ = ["merge_body", "merge_events", "prefill_input_logprobs", "wants_merge"]
+__all__ = ["EncodedPrefix", "merge_body", "merge_events", "prefill_input_logprobs",
+           "wants_merge"]

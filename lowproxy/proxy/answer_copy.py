@@ -11,7 +11,7 @@ from typing import Any
 
 from .._types import Headers
 from ..downstream.messages import ClientGone, ResponseWriter
-from ..handshakes.sglang_logprobs import merge_body, merge_events
+from ..handshakes.sglang_logprobs import EncodedPrefix, merge_body, merge_events
 from ..handshakes.usage import carries_usage, rewrite_body, rewrite_events
 from ..headers import client_response_head
 from ..observability.metrics import Histogram, Metrics
@@ -56,7 +56,7 @@ async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
     del headers
     response.headers = []  # relayed: a stream that lasts minutes keeps no copy
     delivery = _Delivery(exchange, responder, metrics.decode_first_byte, surface, cached or 0,
-                         logprobs)
+                         None if logprobs is None else EncodedPrefix(logprobs))
     try:
         await response.deliver_body(delivery.deliver, responder.wait_for_client)
     except UpstreamError as exc:
@@ -87,7 +87,8 @@ class _Delivery:
                  "held_bytes")
 
     def __init__(self, exchange: Exchange, responder: ResponseWriter, histogram: Histogram,
-                 surface: str | None, cached: int, logprobs: list[Any] | None = None) -> None:
+                 surface: str | None, cached: int, logprobs: EncodedPrefix | None = None
+                 ) -> None:
         self.exchange = exchange
         self.responder = responder
         self.histogram = histogram

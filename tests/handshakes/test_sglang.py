@@ -328,6 +328,7 @@ async def test_generate_with_return_logprob_gets_the_prefills_prompt_logprobs():
 
 def test_the_logprob_merge_leaves_what_it_does_not_understand():
     from lowproxy.handshakes.sglang_logprobs import (
+        EncodedPrefix,
         merge_body,
         merge_events,
         prefill_input_logprobs,
@@ -345,6 +346,19 @@ def test_the_logprob_merge_leaves_what_it_does_not_understand():
     assert merge_body(b'{"meta_info":{}}', [1]) is None
     assert merge_body(b'{"meta_info":{"input_token_logprobs":[2]}}', [1]) == \
         b'{"meta_info":{"input_token_logprobs":[1,2]}}'
-    assert merge_events(b"data: [DONE]\n\n", [1]) == b"data: [DONE]\n\n"
-    assert merge_events(b'data: {"meta_info":{"input_token_logprobs":[]}}\n\n', [1]) == \
-        b'data: {"meta_info":{"input_token_logprobs":[1]}}\n\n'
+    one = EncodedPrefix([[-1.5, 1, None]])
+    assert merge_events(b"data: [DONE]\n\n", one) == b"data: [DONE]\n\n"
+    assert merge_events(b'data: {"meta_info":{"input_token_logprobs":[]}}\n\n', one) == \
+        b'data: {"meta_info":{"input_token_logprobs":[[-1.5,1,null]]}}\n\n'
+    # Spliced as bytes, or written again where the key is not certain: the same JSON.
+    for line in (b'data: {"meta_info":{"input_token_logprobs": [ [-2,2,null] ],"x":1}}',
+                 b'data: {"a":{"input_token_logprobs":[]},"meta_info":'
+                 b'{"input_token_logprobs":[[-2,2,null]]}}',
+                 b'data: {"a":{"input_token_logprobs":[]}}'):
+        event = json.loads(line[6:])
+        meta = event.get("meta_info")
+        if meta is not None:
+            meta["input_token_logprobs"] = [[-1.5, 1, None]] + meta["input_token_logprobs"]
+        assert json.loads(merge_events(line, one)[6:]) == event, line
+    assert merge_events(b'data: {"meta_info":{"input_token_logprobs":[5]}}',
+                        EncodedPrefix([])) == b'data: {"meta_info":{"input_token_logprobs":[5]}}'
