@@ -321,3 +321,12 @@ async def test_a_dns_name_resolving_to_nothing_says_so_in_readyz_and_the_answer(
         assert (await proxy.request("POST", CHAT, chat())).status == 503
     assert any("dns+ name resolves to none" in record.getMessage()
                for record in caplog.records)
+
+
+async def test_no_prefill_leg_while_the_decode_name_resolves_to_nothing():
+    """Before any decode pod is ready, a prefill leg would compute a KV nobody reads."""
+    async with demo_backends(1) as [prefill]:
+        config = config_for(prefill.url, "dns+http://decode.svc:8000", health_interval=0.2)
+        async with running_proxy(config, resolver=Resolver()) as proxy:
+            assert (await proxy.request("POST", CHAT, chat())).status == 503
+            assert prefill.requests_to("/chat/completions") == []
