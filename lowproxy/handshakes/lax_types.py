@@ -91,16 +91,15 @@ def _without_leading_zeros(text: str) -> str | None:
         return None
     if text[0] != "0":
         return text
-    for at in range(1, len(text)):
-        char = text[at]
-        if char in "0_":
-            continue
-        if "1" <= char <= "9" or char == "-":
-            return text[at:]
-        if char == ".":
-            return text[at - 1:]
-        return None
-    return text[-1]
+    rest = text.lstrip("0_")  # at C speed: a string of millions of zeros is one call
+    if not rest:
+        return text[-1]
+    char = rest[0]
+    if "1" <= char <= "9" or char == "-":
+        return rest
+    if char == ".":
+        return text[len(text) - len(rest) - 1:]
+    return None
 
 
 def as_bool(value: Any) -> bool | None:
@@ -128,17 +127,23 @@ def is_bool(value: Any) -> bool:
     return as_bool(value) is not None
 
 
+# Items of a list walked one by one through the lax int rules, at most: past it a
+# list that is not all plain ints is refused (a 32 MiB body of numeric strings held
+# the event loop for seconds; no client sends thousands of ids as strings).
+MAX_LAX_ITEMS = 16384
+
+
 def is_int_list(value: Any) -> bool:
     """``list[int]``: a JSON array whose every item is an int to pydantic.
 
     The items' types are gathered at C speed first: a list of plain ints (all
-    but every client's) is not walked item by item, as a body of millions of
-    them would hold the event loop for seconds."""
+    but every client's) is not walked item by item. A list of more than
+    MAX_LAX_ITEMS items that are not all plain ints is refused unwalked."""
     if type(value) is not list:
         return False
     if set(map(type, value)) <= _INT_ONLY:
         return True
-    return all(as_int(item) is not None for item in value)
+    return len(value) <= MAX_LAX_ITEMS and all(as_int(item) is not None for item in value)
 
 
 def is_str_list(value: Any) -> bool:

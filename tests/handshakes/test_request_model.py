@@ -207,3 +207,19 @@ def test_what_vllm_validators_refuse_is_refused(surface, body, param):
 ])
 def test_what_vllm_validators_accept_passes(surface, body):
     assert refused_field(body, surface) is None
+
+
+def test_a_long_list_is_walked_only_when_short_enough():
+    """Plain ints are told at C speed however many; numeric strings (which vLLM takes)
+    are walked one by one only up to MAX_LAX_ITEMS: a 32 MiB body of them held the
+    event loop for seconds. Past it such a list is refused, naming the field."""
+    from lowproxy.handshakes.lax_types import MAX_LAX_ITEMS
+    from lowproxy.handshakes.request_models import refused_field
+    chat_body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert refused_field({**chat_body, "stop_token_ids": list(range(10 * MAX_LAX_ITEMS))},
+                         "chat") is None
+    assert refused_field({**chat_body, "stop_token_ids": ["5"] * MAX_LAX_ITEMS},
+                         "chat") is None
+    refused = refused_field({**chat_body, "stop_token_ids": ["5"] * (MAX_LAX_ITEMS + 1)},
+                            "chat")
+    assert refused is not None and refused[0] == "stop_token_ids"
