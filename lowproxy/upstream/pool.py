@@ -179,25 +179,29 @@ class UpstreamResponse:
         await self.deliver_body(collect, _never_waits)
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    async def read_prefix(self, limit: int, most: int) -> bytes:
+    async def read_prefix(self, limit: int, most: int, most_pieces: int = 1 << 16) -> bytes:
         """The body's first ``limit`` bytes; the rest is read and let go (the
-        connection stays good), up to ``most`` in all (more is a protocol error)."""
-        parts: list[bytes] = []
-        size = 0
+        connection stays good), up to ``most`` bytes and ``most_pieces`` chunks in
+        all (more is a protocol error: a body of 1-byte chunks would otherwise
+        keep the event loop decoding chunks for the whole leg's bound)."""
+        kept = bytearray()  # not a list of pieces: tiny chunks would cost 50x their size
+        size = count = 0
 
         def collect(pieces: list[bytes]) -> bool:
-            nonlocal size
+            nonlocal size, count
             for piece in pieces:
                 if size < limit:
-                    parts.append(piece[:limit - size])
+                    kept.extend(piece[:limit - size])
                 size += len(piece)
-            if size > most:
-                raise UpstreamProtocolError(f"{self.endpoint.label} answered more than "
-                                            f"{most} bytes", self.endpoint)
+            count += len(pieces)
+            if size > most or count > most_pieces:
+                raise UpstreamProtocolError(
+                    f"{self.endpoint.label} answered more than {most} bytes or "
+                    f"{most_pieces} chunks", self.endpoint)
             return False
 
         await self.deliver_body(collect, _never_waits)
-        return parts[0] if len(parts) == 1 else b"".join(parts)
+        return bytes(kept)
 
     async def aclose(self) -> None:
         if self._closed:

@@ -362,3 +362,36 @@ def test_the_logprob_merge_leaves_what_it_does_not_understand():
         assert json.loads(merge_events(line, one)[6:]) == event, line
     assert merge_events(b'data: {"meta_info":{"input_token_logprobs":[5]}}',
                         EncodedPrefix([])) == b'data: {"meta_info":{"input_token_logprobs":[5]}}'
+
+
+async def test_a_prefill_answer_of_endless_tiny_chunks_fails_the_leg_soon():
+    """The drain past 8 MiB is bounded in chunks too: 1-byte chunks would keep the
+    event loop decoding for the whole prefill bound (300 s by default)."""
+    async def endless(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"transfer-encoding: chunked\r\n\r\n")
+        piece = b"1\r\nx\r\n" * 10000
+        try:
+            while True:
+                writer.write(piece)
+                await writer.drain()
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+
+    async def decode_answer(request, responder):
+        await responder.send_json(200, {"id": "d", "choices": [{"text": "ok"}]})
+
+    server = await asyncio.start_server(endless, "127.0.0.1", 0)
+    decode = await ScriptedBackend(decode_answer).start()
+    try:
+        port = server.sockets[0].getsockname()[1]
+        config = config_for(f"http://127.0.0.1:{port}", decode.url(), prefill_timeout=60)
+        async with running_proxy(config) as proxy:
+            reply = await proxy.request("POST", CHAT, chat(), timeout=20)
+            assert reply.status == 200 and reply.json()["id"] == "d"  # decode recomputed
+            legs = proxy.proxy.metrics.prefill_legs
+            assert legs.get("relay", "error") == 1 and legs.get("relay", "recompute") == 1
+    finally:
+        server.close()
+        await decode.close()
