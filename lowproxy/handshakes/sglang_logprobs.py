@@ -64,13 +64,26 @@ _KEY = b'"input_token_logprobs"'
 
 def merge_events(piece: bytes, prefix: EncodedPrefix) -> bytes:
     """Whole lines of a streamed answer, each event's prompt logprobs merged."""
+    return merge_some_events(piece, prefix, float("inf"))[0]
+
+
+def merge_some_events(piece: bytes, prefix: EncodedPrefix, budget: float
+                      ) -> tuple[bytes, bytes]:
+    """(merged, rest): the events of ``piece`` merged until ``budget`` bytes of them
+    are written, and the whole lines after, not merged yet. Every event gets the
+    whole list (as SGLang's routers give it): a read of a thousand events merged
+    at once, with a long prompt's list, was gigabytes in memory."""
     if piece.find(_KEY) < 0:
-        return piece
+        return piece, b""
     lines = piece.split(b"\n")
+    written = 0
     for index, line in enumerate(lines):
         if line.startswith(b"data:") and line.find(_KEY) >= 0:
+            if written >= budget:
+                return b"\n".join(lines[:index]) + b"\n", b"\n".join(lines[index:])
             lines[index] = _merged_line(line, prefix)
-    return b"\n".join(lines)
+            written += len(lines[index])
+    return b"\n".join(lines), b""
 
 
 def _merged_line(line: bytes, prefix: EncodedPrefix) -> bytes:
@@ -133,5 +146,5 @@ def _written(value: Any) -> bytes | None:
         return None
 
 
-__all__ = ["EncodedPrefix", "merge_body", "merge_events", "prefill_input_logprobs",
-           "wants_merge"]
+__all__ = ["EncodedPrefix", "merge_body", "merge_events", "merge_some_events",
+           "prefill_input_logprobs", "wants_merge"]

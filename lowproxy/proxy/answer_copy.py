@@ -11,7 +11,7 @@ from typing import Any
 
 from .._types import Headers
 from ..downstream.messages import ClientGone, ResponseWriter
-from ..handshakes.sglang_logprobs import EncodedPrefix, merge_body, merge_events
+from ..handshakes.sglang_logprobs import EncodedPrefix, merge_body, merge_some_events
 from ..handshakes.usage import carries_usage, rewrite_body, rewrite_events
 from ..headers import client_response_head
 from ..observability.metrics import Histogram, Metrics
@@ -25,6 +25,9 @@ MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
 # data line cut by a read would escape the rewrite); a line longer than this
 # goes on as it comes, unrewritten, rather than be held without bound.
 MAX_HELD_LINE_BYTES = 4 * 1024 * 1024
+# SGLang's prompt logprobs go into every streamed event: at most this much merged
+# output is made before the client has taken what went before.
+MERGE_BUDGET_BYTES = 1024 * 1024
 
 
 async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
@@ -58,12 +61,15 @@ async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
     delivery = _Delivery(exchange, responder, metrics.decode_first_byte, surface, cached or 0,
                          None if logprobs is None else EncodedPrefix(logprobs))
     try:
-        await response.deliver_body(delivery.deliver, responder.wait_for_client)
+        await response.deliver_body(delivery.deliver, delivery.wait if logprobs is not None
+                                    else responder.wait_for_client)
     except UpstreamError as exc:
         with contextlib.suppress(ClientGone):  # the break-off is what is told, not that
+            await delivery.merge_pending()
             delivery.release()  # decode's bytes, all of them, up to where it broke off
         raise Truncated(exc.detail, response.endpoint.label) from None
     delivery.first_byte()
+    await delivery.merge_pending()
     delivery.release()
     await responder.end()
     metrics.decode_legs.inc("ok")
@@ -84,7 +90,7 @@ class _Delivery:
     """
 
     __slots__ = ("exchange", "responder", "histogram", "surface", "cached", "logprobs", "held",
-                 "held_bytes")
+                 "held_bytes", "pending")
 
     def __init__(self, exchange: Exchange, responder: ResponseWriter, histogram: Histogram,
                  surface: str | None, cached: int, logprobs: EncodedPrefix | None = None
@@ -99,6 +105,7 @@ class _Delivery:
         # in: joined once its newline comes, so a long line costs no quadratic copy.
         self.held: list[bytes] = []
         self.held_bytes = 0
+        self.pending: list[bytes] = []  # whole lines whose logprobs are not merged yet
 
     def first_byte(self) -> None:
         exchange = self.exchange
@@ -117,10 +124,39 @@ class _Delivery:
                 if not pieces:
                     return False  # nothing to write yet: the client is not slow
             if self.logprobs is not None:
-                pieces = [merge_events(piece, self.logprobs) for piece in pieces]
-            elif carries_usage(surface, pieces):
+                return self._merge(pieces)
+            if carries_usage(surface, pieces):
                 pieces = [rewrite_events(surface, piece, self.cached) for piece in pieces]
         return self.responder.relay(pieces)
+
+    def _merge(self, pieces: list[bytes]) -> bool:
+        """SGLang's logprobs merged into whole lines, a budget at a time: what is left
+        waits (reading from decode paused) until the client has taken the rest."""
+        if self.pending:
+            self.pending.extend(pieces)
+            return True
+        merged, rest = merge_some_events(b"".join(pieces), self.logprobs,  # type: ignore[arg-type]
+                                         MERGE_BUDGET_BYTES)
+        slow = self.responder.relay([merged])
+        if rest:
+            self.pending.append(rest)
+            return True
+        return slow
+
+    async def wait(self) -> None:
+        """Reading from decode resumes once the client took what went and what waited."""
+        await self.responder.wait_for_client()
+        await self.merge_pending()
+
+    async def merge_pending(self) -> None:
+        while self.pending:
+            data, self.pending = b"".join(self.pending), []
+            merged, rest = merge_some_events(data, self.logprobs,  # type: ignore[arg-type]
+                                             MERGE_BUDGET_BYTES)
+            if rest:
+                self.pending.append(rest)
+            if self.responder.relay([merged]) or self.pending:
+                await self.responder.wait_for_client()
 
     def _whole_lines(self, pieces: list[bytes]) -> list[bytes]:
         """The bytes up to the last newline, what follows held for the next read."""

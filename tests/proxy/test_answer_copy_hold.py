@@ -96,3 +96,22 @@ def test_a_line_beyond_the_bound_goes_on_as_it_comes(monkeypatch):
         delivery.deliver([b"y" * 60])  # no newline: held while within 100 bytes
     assert b"".join(responder.out) + b"".join(delivery.held) == b"y" * 180
     assert delivery.held_bytes <= 100
+
+
+async def test_sglang_logprobs_are_merged_a_budget_at_a_time(monkeypatch):
+    """Every event gets the prefill's whole list: a read of many events is merged a
+    budget at a time, the rest waiting until the client took what went before (one
+    read of a thousand events with a long prompt's list was gigabytes at once)."""
+    from lowproxy.handshakes.sglang_logprobs import EncodedPrefix, merge_events
+    monkeypatch.setattr(answer_copy, "MERGE_BUDGET_BYTES", 100_000)
+    prefix = EncodedPrefix([[-1.5, index, None] for index in range(2000)])  # ~34 KB
+    event = b'data: {"meta_info":{"input_token_logprobs":[]}}\n\n'
+    read = event * 50 + b"data: [DONE]\n\n"
+    responder = _Responder()
+    delivery = answer_copy._Delivery(_exchange(), responder, _Histogram(), CHAT, 3, prefix)
+    assert delivery.deliver([read]) is True  # slow: reading pauses, the rest waits
+    assert len(responder.out) == 1 and len(responder.out[0]) < 100_000 + 40_000
+    await delivery.wait()
+    assert delivery.pending == []
+    assert b"".join(responder.out) == merge_events(read, prefix)
+    assert all(len(out) < 140_000 for out in responder.out)
