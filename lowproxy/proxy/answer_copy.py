@@ -28,6 +28,7 @@ MAX_HELD_LINE_BYTES = 4 * 1024 * 1024
 # SGLang's prompt logprobs go into every streamed event: at most this much merged
 # output is made before the client has taken what went before.
 MERGE_BUDGET_BYTES = 1024 * 1024
+_LINE_ENDS = (b"\n", b"\r")  # an SSE line ends with either (CRLF: the LF)
 
 
 async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
@@ -119,7 +120,7 @@ class _Delivery:
         surface = self.surface
         if surface is not None:
             # One read may bring several chunks: any of them may end mid-line.
-            if self.held or len(pieces) != 1 or not pieces[0].endswith(b"\n"):
+            if self.held or len(pieces) != 1 or not pieces[0].endswith(_LINE_ENDS):
                 pieces = self._whole_lines(pieces)
                 if not pieces:
                     return False  # nothing to write yet: the client is not slow
@@ -161,7 +162,7 @@ class _Delivery:
     def _whole_lines(self, pieces: list[bytes]) -> list[bytes]:
         """The bytes up to the last newline, what follows held for the next read."""
         data = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-        cut = data.rfind(b"\n") + 1
+        cut = max(data.rfind(b"\n"), data.rfind(b"\r")) + 1  # SSE also ends lines by CR
         held = self.held
         if cut == 0:  # still within one line
             held.append(data)

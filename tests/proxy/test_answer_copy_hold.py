@@ -115,3 +115,13 @@ async def test_sglang_logprobs_are_merged_a_budget_at_a_time(monkeypatch):
     assert delivery.pending == []
     assert b"".join(responder.out) == merge_events(read, prefix)
     assert all(len(out) < 140_000 for out in responder.out)
+
+
+def test_a_stream_whose_lines_end_with_cr_alone_is_not_held():
+    """SSE lets a bare CR end a line: such a stream goes on read by read."""
+    responder = _Responder()
+    delivery = answer_copy._Delivery(_exchange(), responder, _Histogram(), CHAT, 3)
+    delivery.deliver([b'data: {"a":1}\r\r'])
+    delivery.deliver([b'data: {"b"'])
+    delivery.deliver([b':2}\r\r'])
+    assert responder.out == [b'data: {"a":1}\r\r', b'data: {"b":2}\r\r']
