@@ -107,7 +107,9 @@ def _merged_line(line: bytes, prefix: EncodedPrefix) -> bytes:
     if not _merge(event, prefix.items):
         return line
     written = _written(event)
-    return b"data: " + written if written is not None else line
+    # A CRLF's (or a bare CR's) line end stays: JSON took it as space.
+    return b"data: " + written + line[len(line.rstrip(b"\r")):] if written is not None \
+        else line
 
 
 def _skip_space(raw: bytes, position: int) -> int:

@@ -206,7 +206,8 @@ def rewrite_events(surface: str, piece: bytes, cached: int) -> bytes:
             if event is not None and rewrite_usage(surface, _usage_in(surface, event), cached):
                 written = _finite_json(event)
                 if written is not None:
-                    lines[index] = b"data: " + written
+                    # A CRLF's (or a bare CR's) line end stays: JSON took it as space.
+                    lines[index] = b"data: " + written + line[len(line.rstrip(b"\r")):]
     return b"\n".join(lines)
 
 

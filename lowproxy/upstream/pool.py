@@ -181,9 +181,10 @@ class UpstreamResponse:
 
     async def read_prefix(self, limit: int, most: int, most_pieces: int = 1 << 16) -> bytes:
         """The body's first ``limit`` bytes; the rest is read and let go (the
-        connection stays good), up to ``most`` bytes and ``most_pieces`` chunks in
-        all (more is a protocol error: a body of 1-byte chunks would otherwise
-        keep the event loop decoding chunks for the whole leg's bound)."""
+        connection stays good), up to ``most`` bytes in all and ``most_pieces``
+        chunks past the kept part (more is a protocol error: a body of 1-byte
+        chunks would otherwise keep the event loop decoding chunks for the whole
+        leg's bound)."""
         kept = bytearray()  # not a list of pieces: tiny chunks would cost 50x their size
         size = count = 0
 
@@ -192,8 +193,9 @@ class UpstreamResponse:
             for piece in pieces:
                 if size < limit:
                     kept.extend(piece[:limit - size])
+                else:
+                    count += 1  # only what is drained past the kept part
                 size += len(piece)
-            count += len(pieces)
             if size > most or count > most_pieces:
                 raise UpstreamProtocolError(
                     f"{self.endpoint.label} answered more than {most} bytes or "

@@ -125,3 +125,15 @@ def test_a_stream_whose_lines_end_with_cr_alone_is_not_held():
     delivery.deliver([b'data: {"b"'])
     delivery.deliver([b':2}\r\r'])
     assert responder.out == [b'data: {"a":1}\r\r', b'data: {"b":2}\r\r']
+
+
+def test_a_rewritten_event_keeps_its_cr_line_ends():
+    """JSON takes a trailing CR as space: written again, the event keeps it, or it
+    would run into the next one (and [DONE] would be lost to an SSE parser)."""
+    from lowproxy.handshakes.sglang_logprobs import EncodedPrefix, merge_events
+    from lowproxy.handshakes.usage import rewrite_events
+    usage = b'data: {"choices":[],"usage":{"prompt_tokens":10}}\r'
+    out = rewrite_events(CHAT, usage + b"\n\r\n", 3)
+    assert out.endswith(b'"cached_tokens":3}}}\r\n\r\n'), out
+    twice = b'data: {"meta_info":{"input_token_logprobs":[]},"x":"input_token_logprobs"}\r\r'
+    assert merge_events(twice, EncodedPrefix([1])).endswith(b'"x":"input_token_logprobs"}\r\r')

@@ -146,3 +146,39 @@ async def test_a_decode_answer_cut_before_any_byte_went_out_is_a_502_counted_as_
     access = [record.getMessage() for record in caplog.records
               if record.name == "lowproxy.access" and "cut-7" in record.getMessage()]
     assert access and "status=502" in access[0], access
+
+
+async def test_a_prefill_answer_in_many_small_chunks_within_the_kept_part_is_read():
+    """The chunk bound counts only what is drained past the kept 8 MiB: an answer of
+    70,000 small chunks (700 KB) is an answer, not a backend gone wrong."""
+    import asyncio
+
+    from helpers import CHAT, ScriptedBackend, chat, config_for, running_proxy
+
+    body = b'{"id":"p","choices":[{"text":"x"}],"kv_transfer_params":null,"pad":"' + \
+        b"y" * 700_000 + b'"}'
+
+    async def small_chunks(reader, writer):
+        await reader.readuntil(b"\r\n\r\n")
+        await reader.read(65536)  # the leg's body (small)
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                     b"transfer-encoding: chunked\r\nconnection: close\r\n\r\n")
+        writer.write(b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + 10]), body[i:i + 10])
+                              for i in range(0, len(body), 10)) + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def decode_answer(request, responder):
+        await responder.send_json(200, {"id": "d"})
+
+    server = await asyncio.start_server(small_chunks, "127.0.0.1", 0)
+    decode = await ScriptedBackend(decode_answer).start()
+    try:
+        port = server.sockets[0].getsockname()[1]
+        async with running_proxy(config_for(f"http://127.0.0.1:{port}", decode.url())) as proxy:
+            reply = await proxy.request("POST", CHAT, chat(), timeout=20)
+            assert reply.status == 200
+            assert proxy.proxy.metrics.prefill_legs.get("relay", "ok") == 1
+    finally:
+        server.close()
+        await decode.close()
