@@ -98,7 +98,7 @@ class DemoBackend:
         # demo's lenient default, which --demo and older tests rely on); given:
         # vLLM's --served-model-name, other names 404.
         self.served_model_names = list(served_model_names or [MODEL])
-        self.any_model = served_model_names is None
+        self.any_model = served_model_names is None or sglang_pd  # SGLang checks no name
         self.max_model_len = max_model_len
         self.prompt_tokens_details = prompt_tokens_details  # --enable-prompt-tokens-details
         self.scale_out = scale_out  # --enable-scale-out: /inference/v1/generate
@@ -352,8 +352,7 @@ class DemoBackend:
 
     def _check_model(self, body: dict[str, Any], parsed: Parsed) -> None:
         model = body.get("model")
-        if model is not None and model not in self.served_model_names and not self.any_model \
-                and not self.sglang_pd:  # SGLang checks no model name
+        if model is not None and model not in self.served_model_names and not self.any_model:
             raise Problem(404, f"The model `{model}` does not exist.", "model", "NotFoundError")
         parsed.model = model or self.served_model_names[0]
         if not isinstance(previous := body.get("previous_response_id"), (str, type(None))):

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 
 from lowproxy.handshakes.lax_types import as_bool, as_int, is_int_list, is_str_list
 
-pydantic = pytest.importorskip("pydantic")
+pydantic = pytest.importorskip(
+    "pydantic", reason="pydantic comes with the openai client of the test extra")
 
 _INT = pydantic.TypeAdapter(int)
 _BOOL = pydantic.TypeAdapter(bool)

@@ -16,7 +16,8 @@ import pytest
 from lowproxy.handshakes.request_models import refused_field
 from lowproxy.routes import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES
 
-pydantic = pytest.importorskip("pydantic")
+pydantic = pytest.importorskip(
+    "pydantic", reason="pydantic comes with the openai client of the test extra")
 BaseModel, ConfigDict, Field = pydantic.BaseModel, pydantic.ConfigDict, pydantic.Field
 
 
@@ -26,32 +27,28 @@ class StreamOptions(BaseModel):
     continuous_usage_stats: bool | None = False
 
 
-class Chat(BaseModel):  # the fields of ChatCompletionRequest the prefill leg cleans off
+class _Sampling(BaseModel):  # what chat and completions declare alike
     model_config = ConfigDict(extra="allow")
+    stop: str | list[str] | None = []
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop_token_ids: list[int] | None = []
+    ignore_eos: bool = False
+    min_tokens: int = 0
+
+
+class Chat(_Sampling):  # the fields of ChatCompletionRequest the prefill leg cleans off
     logprobs: bool | None = False
     top_logprobs: int | None = 0
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     n: int | None = 1
-    stop: str | list[str] | None = []
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    stop_token_ids: list[int] | None = []
-    ignore_eos: bool = False
-    min_tokens: int = 0
 
 
-class Completion(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class Completion(_Sampling):
     logprobs: int | None = None
     max_tokens: int | None = 16
     n: int = 1
-    stop: str | list[str] | None = []
-    stream: bool | None = False
-    stream_options: StreamOptions | None = None
-    stop_token_ids: list[int] | None = []
-    ignore_eos: bool = False
-    min_tokens: int = 0
 
 
 class Responses(BaseModel):
