@@ -12,14 +12,11 @@ decode's answer carries the list itself. Pure functions on bytes.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .._types import Body
 from ..routes import SGLANG_GENERATE
-
-_DECODER = json.JSONDecoder()
-_COMPACT = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
+from .json_bytes import data_line, finite_json, object_of, skip_space
 
 
 def wants_merge(surface: str, body: Body) -> bool:
@@ -33,17 +30,17 @@ def prefill_input_logprobs(raw: bytes) -> list[Any] | None:
     text = raw.lstrip()
     if text.startswith(b"data:"):
         text = text[5:].split(b"\n", 1)[0]
-    answer = _object(text)
+    answer = object_of(text)
     return _input_of(answer) if answer is not None else None
 
 
 def merge_body(raw: bytes, prefix: list[Any]) -> bytes | None:
     """Decode's whole answer with ``prefix`` in front of its prompt logprobs; None to
     relay it as it is (not one object, no such list, not writable as JSON)."""
-    answer = _object(raw)
+    answer = object_of(raw)
     if answer is None or not _merge(answer, prefix):
         return None
-    return _written(answer)
+    return finite_json(answer)
 
 
 class EncodedPrefix:
@@ -55,7 +52,7 @@ class EncodedPrefix:
 
     def __init__(self, items: list[Any]) -> None:
         self.items = items
-        whole = _written(items)
+        whole = finite_json(items)
         self.written = whole[1:-1] if whole is not None else None  # without [ and ]
 
 
@@ -90,32 +87,27 @@ def _merged_line(line: bytes, prefix: EncodedPrefix) -> bytes:
     """One event's data line merged: by splicing the written prefix where the event
     is certain to hold the list once (its only such key, meta_info's, a list);
     else by writing the event again."""
-    event = _object(line[5:])
+    event = object_of(line[5:])
     if event is None or _input_of(event) is None:
         return line
     start = line.find(_KEY) + len(_KEY)
     if prefix.written is not None and line.count(_KEY) == 1:
-        at = _skip_space(line, start)
+        at = skip_space(line, start)
         if line[at:at + 1] == b":":
-            at = _skip_space(line, at + 1)
+            at = skip_space(line, at + 1)
             if line[at:at + 1] == b"[":
-                inner = _skip_space(line, at + 1)
+                inner = skip_space(line, at + 1)
                 if not prefix.written:
                     return line
                 joint = b"" if line[inner:inner + 1] == b"]" else b","
                 return line[:at + 1] + prefix.written + joint + line[at + 1:]
     if not _merge(event, prefix.items):
         return line
-    written = _written(event)
-    # A CRLF's (or a bare CR's) line end stays: JSON took it as space.
-    return b"data: " + written + line[len(line.rstrip(b"\r")):] if written is not None \
-        else line
+    written = finite_json(event)
+    return data_line(written, line) if written is not None else line
 
 
-def _skip_space(raw: bytes, position: int) -> int:
-    while raw[position:position + 1] in (b" ", b"\t", b"\r"):
-        position += 1
-    return position
+
 
 
 def _merge(answer: Body, prefix: list[Any]) -> bool:
@@ -133,19 +125,7 @@ def _input_of(answer: Body) -> list[Any] | None:
     return found if isinstance(found, list) else None
 
 
-def _object(raw: bytes) -> Body | None:
-    try:
-        value = _DECODER.decode(raw.decode("utf-8").strip())
-    except (ValueError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None
 
-
-def _written(value: Any) -> bytes | None:
-    try:
-        return _COMPACT.encode(value).encode()
-    except (ValueError, RecursionError):  # a number JSON cannot carry: decode's bytes
-        return None
 
 
 __all__ = ["EncodedPrefix", "merge_body", "merge_events", "merge_some_events",

@@ -21,12 +21,11 @@ of other runtimes' SDKs) refuse.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .._types import Body
 from ..routes import CHAT, COMPLETIONS, MESSAGES, RESPONSES
-from .strict_json import text_of
+from .json_bytes import DECODER, data_line, finite_json, object_of, skip_space
 
 # What only an event carrying usage contains, per surface.
 STREAM_MARKERS: dict[str, tuple[bytes, ...]] = {
@@ -146,7 +145,7 @@ def rewrite_body(surface: str, raw: bytes, cached: int) -> bytes | None:
     (splice_usage): the rest of decode's answer goes on byte for byte, and
     is not serialised again.
     """
-    answer = _object(raw)
+    answer = object_of(raw)
     if answer is None:
         return None
     usage = answer.get("usage")
@@ -156,7 +155,7 @@ def rewrite_body(surface: str, raw: bytes, cached: int) -> bytes | None:
     if not rewrite_usage(surface, usage, cached):
         return None
     spliced = splice_usage(raw, before, usage)  # rewrite_usage took it: a dict
-    return spliced if spliced is not None else _finite_json(answer)
+    return spliced if spliced is not None else finite_json(answer)
 
 
 def splice_usage(raw: bytes, before: Body, after: Body) -> bytes | None:
@@ -171,27 +170,21 @@ def splice_usage(raw: bytes, before: Body, after: Body) -> bytes | None:
     if raw.count(b'"usage"') != 1:
         return None
     key = raw.find(b'"usage"') + len(b'"usage"')
-    colon = _skip_space(raw, key)
+    colon = skip_space(raw, key)
     if raw[colon:colon + 1] != b":":
         return None
-    start = _skip_space(raw, colon + 1)
+    start = skip_space(raw, colon + 1)
     if raw[start:start + 1] != b"{":
         return None
     try:
         text = raw[start:].decode("utf-8")
-        found, end = _DECODER.raw_decode(text)
+        found, end = DECODER.raw_decode(text)
     except (ValueError, RecursionError):
         return None
-    written = _finite_json(after)
+    written = finite_json(after)
     if found != before or written is None:
         return None
     return raw[:start] + written + text[end:].encode("utf-8")
-
-
-def _skip_space(raw: bytes, position: int) -> int:
-    while raw[position:position + 1] in (b" ", b"\t", b"\n", b"\r"):
-        position += 1
-    return position
 
 
 def rewrite_events(surface: str, piece: bytes, cached: int) -> bytes:
@@ -202,12 +195,11 @@ def rewrite_events(surface: str, piece: bytes, cached: int) -> bytes:
     lines = piece.split(b"\n")
     for index, line in enumerate(lines):
         if line.startswith(b"data: ") and _has_marker(markers, line):
-            event = _object(line[6:])
+            event = object_of(line[6:])
             if event is not None and rewrite_usage(surface, _usage_in(surface, event), cached):
-                written = _finite_json(event)
+                written = finite_json(event)
                 if written is not None:
-                    # A CRLF's (or a bare CR's) line end stays: JSON took it as space.
-                    lines[index] = b"data: " + written + line[len(line.rstrip(b"\r")):]
+                    lines[index] = data_line(written, line)
     return b"\n".join(lines)
 
 
@@ -219,27 +211,6 @@ def _usage_in(surface: str, event: Body) -> Any:
         message = event.get("message")
         return message.get("usage") if isinstance(message, dict) else None
     return event.get("usage")
-
-
-def _object(raw: bytes) -> Body | None:
-    try:
-        value = _DECODER.decode(text_of(raw))  # json.loads(raw), on the decoder made once
-    except (ValueError, RecursionError):
-        return None
-    return value if isinstance(value, dict) else None
-
-
-_DECODER = json.JSONDecoder()
-# Built once: json.dumps with arguments builds an encoder on every call.
-_FINITE_COMPACT = json.JSONEncoder(separators=(",", ":"), allow_nan=False)
-
-
-def _finite_json(value: Body) -> bytes | None:
-    """``value`` as compact JSON; None when it holds a number JSON cannot write."""
-    try:
-        return _FINITE_COMPACT.encode(value).encode()
-    except (ValueError, RecursionError):  # inf or nan (or too deep): leave decode's bytes
-        return None
 
 
 def _count(value: Any) -> bool:
