@@ -21,6 +21,7 @@ from ..config.settings import Config
 from ..downstream.messages import ClientGone, ResponseWriter
 from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.legs import Plan, half_filled
+from ..handshakes.rules import NO_HEALTHY_DECODE
 from ..observability import logs
 from ..observability.metrics import Metrics
 from ..routes import MESSAGES
@@ -48,7 +49,6 @@ from .prefill_watch import PrefillWatch
 from .tracing import Tracing
 
 log = logging.getLogger("lowproxy.dispatch")
-NO_HEALTHY_DECODE = "no-healthy-decode"  # a skip reason: every decode failed its checks
 
 
 def _nobody_listens(exchange: Exchange) -> None:
