@@ -53,7 +53,7 @@ STORED_CONVERSATION = "stored-conversation"
 BACKGROUND = "background"
 NO_SAMPLING_PARAMS = "no-sampling-params"
 SHORT = "short"  # PD_PROXY_MIN_PREFILL_PROMPT_BYTES
-NO_HEALTHY_DECODE = "no-healthy-decode"  # told by dispatch: every decode failed its checks
+NO_HEALTHY_DECODE = "no-healthy-decode"  # told by dispatch: no decode healthy and not cooling down
 
 
 def too_short(prompt_bytes: int | None, minimum: int) -> bool:

@@ -136,12 +136,13 @@ class Dispatcher:
                                plan: Plan) -> UpstreamResponse:
         """Decode's response head, once any prefill leg has committed."""
         if plan.prefill is not None and plan.prefill_failure is None:
-            if not plan.abort_rids and not self.decode.candidates(exchange.model):
-                # Every decode failed its health checks (or a dns+ name resolves
-                # to none): a KV computed now would most likely be read by nobody
-                # (and pinned for minutes). Decode is still tried, with the whole
-                # prompt: 503 if it is down, an answer if it just came back. Not
-                # under sglang, whose decode needs the room.
+            if not plan.abort_rids and self.decode.none_ready(exchange.model):
+                # Every decode failed its health checks or refused a connection
+                # moments ago (or a dns+ name resolves to none): a KV computed now
+                # would most likely be read by nobody (and pinned for minutes).
+                # Decode is still tried, with the whole prompt: 503 if it is down,
+                # an answer if it just came back. Not under sglang, whose decode
+                # needs the room.
                 exchange.skip_reason = NO_HEALTHY_DECODE
                 self.metrics.prefill_legs.inc(exchange.handshake or "", "skipped",
                                               NO_HEALTHY_DECODE)

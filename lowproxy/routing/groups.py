@@ -130,6 +130,8 @@ class BackendGroup:
         if ok:
             self.failed_checks[endpoint] = 0
             self.passed.add(endpoint)
+            if was_out:  # back: a cooldown from while it was out no longer holds
+                endpoint.cooldown_until = 0.0
             self.unhealthy.discard(endpoint)
         else:
             self.failed_checks[endpoint] = self.failed_checks.get(endpoint, 0) + 1
@@ -202,6 +204,15 @@ class BackendGroup:
         if serving is not None:
             return serving
         return self._healthy_unlisted if self._unlisted else self._healthy
+
+    def none_ready(self, model: str | None = None) -> bool:
+        """No healthy endpoint for ``model`` that is not cooling down: every one
+        failed its checks, or refused a connection moments ago."""
+        now = time.monotonic()
+        for endpoint in self.candidates(model):
+            if now >= endpoint.cooldown_until:
+                return False
+        return True
 
     def serving(self, model: str | None = None) -> list[Endpoint]:
         """Endpoints that may serve ``model``, whatever their health."""

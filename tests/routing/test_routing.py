@@ -396,3 +396,30 @@ async def test_no_prefill_leg_while_every_decode_fails_its_checks(kv_protocol):
                 assert reply.status == 200 and len(posts(prefill)) == 1
             finally:
                 await back.close()
+
+
+@pytest.mark.parametrize("kv_protocol", ["relay", "mooncake"])
+async def test_no_prefill_leg_while_every_decode_cools_down(kv_protocol):
+    """A decode that refused a connection moments ago is cooling down before any
+    health check has seen it fail: while every decode is, a KV computed now would be
+    read by nobody, so the prefill leg is skipped (decode is still tried)."""
+    async with pd_backends(prefills=1) as ((prefill,), (decode,)):
+        prefill_url = f"{prefill.url}#bootstrap_port={prefill.bootstrap_port}"
+        # Checks far apart: only the refused connection tells decode is gone.
+        config = config_for(prefill_url, decode.url, kv_protocol=kv_protocol,
+                            health_interval=60.0)
+        async with running_proxy(config) as running:
+            await known(running)
+            await decode.close()
+            first = await running.request("POST", CHAT, conversation(1))
+            assert first.status in (502, 503), first.body
+            sent = len(posts(prefill))
+            assert running.proxy.decode.candidates(None)  # still healthy by its checks
+            assert running.proxy.decode.none_ready(None)  # but cooling down
+            for _ in range(3):
+                reply = await running.request("POST", CHAT, conversation(2))
+                assert reply.status in (502, 503), reply.body
+            assert len(posts(prefill)) == sent  # no prefill leg while it cools down
+            metrics = (await running.request("GET", "/metrics")).body.decode()
+            assert f'handshake="{kv_protocol}",outcome="skipped",reason="no-healthy-decode"' \
+                in metrics
