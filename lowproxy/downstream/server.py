@@ -177,7 +177,7 @@ class HttpServer:
         assert me is not None and self._tls_context is not None
         self._handshakes.add(me)
         try:
-            transport, protocol = await loop.connect_accepted_socket(
+            transport, _ = await loop.connect_accepted_socket(
                 lambda: asyncio.StreamReaderProtocol(reader, loop=loop), conn,
                 ssl=self._tls_context, ssl_handshake_timeout=self.limits.tls_handshake_timeout)
             handshaken = True
@@ -191,7 +191,10 @@ class HttpServer:
                 if self._on_connections:
                     self._on_connections(-1)
         if handshaken:
-            writer = asyncio.StreamWriter(transport, protocol, reader, loop)
+            # The transport's own protocol, not what connect_accepted_socket
+            # returned: under uvloop that is its internal SSLProtocol, which has
+            # no _drain_helper (every drain, so every keep-alive answer, failed).
+            writer = asyncio.StreamWriter(transport, transport.get_protocol(), reader, loop)
             await self._serve(reader, writer)
 
     def stop_accepting(self) -> None:
