@@ -190,10 +190,14 @@ class Proxy:
             await self._ready(responder)
             return
         if route == METRICS:
-            # With a metrics port, /metrics (whose labels name backends) is served only there.
-            await (self._local(responder, route, 404, answers.NOT_FOUND)
-                   if self.config.metrics_port else self._metrics(responder))
-            return
+            if not self.config.metrics_port:
+                await self._metrics(responder)
+                return
+            # With a metrics port, lowproxy's own (whose labels name backends) are
+            # served only there, and the main port passes /metrics on to decode,
+            # as the GCO proxy and llm-d's sidecar do (llm-d's scheduler scrapes
+            # vLLM's series through the port it routes to).
+            route = PASSTHROUGH
         if route == PASSTHROUGH and self.peers is not None and request.path == PEERS_PATH:
             await self._peer_batch(request, responder)  # the peers' own key, not a client's
             return

@@ -180,7 +180,11 @@ async def test_gauges_are_summed_over_live_workers_and_metrics_port_serves_them(
     daemon = worker_daemon(prefill, decode, "--metrics-port", str(metrics_port))
     try:
         port = await started(daemon)
-        assert (await request(port, "GET", "/metrics")).status == 404  # only the metrics port
+        # lowproxy's own only on the metrics port: the main port's /metrics is
+        # decode's, as through the GCO proxy and llm-d's sidecar.
+        main = await request(port, "GET", "/metrics")
+        assert main.status == 200 and b"vllm:num_requests_waiting" in main.body
+        assert b"lowproxy_" not in main.body
         # Each worker reports its own asyncio tasks; the sum counts both processes,
         # so it is above what one worker alone has (its maintenance task and the
         # task serving this scrape, at least).
