@@ -51,7 +51,8 @@ _positive_seconds.metavar = "SECONDS"  # type: ignore[attr-defined]
 
 
 def _backend_key(text: str) -> str:
-    """The backend key, sent in a header value: never echoed in an error."""
+    """A key sent in a header value (to backends, to peers), trimmed as a mounted
+    Secret's trailing newline asks: never echoed in an error."""
     key = text.strip()
     if key and not header_safe(b"Bearer " + key.encode()):
         raise ValueError("the key holds a character a header value cannot carry")
@@ -96,7 +97,7 @@ SETTINGS: tuple[Setting, ...] = (
         text_value, "no available decode backend", "error message answered with that status",
     ),
     Setting(
-        "admin_api_key", "ADMIN_API_KEY", "--admin-api-key", text_value, "",
+        "admin_api_key", "ADMIN_API_KEY", "--admin-api-key", _backend_key, "",
         "key for POST .../instances/add (x-admin-api-key or Authorization: Bearer); "
         "empty: the admin path always answers 403",
     ),

@@ -168,6 +168,18 @@ def test_a_good_flag_overrides_a_bad_variable():
     assert load({"PD_PROXY_PORT": "abc"}, ["--port", "8123"]).port == 8123
 
 
+def test_the_admin_key_is_trimmed_and_must_fit_a_header():
+    """A key from a mounted Secret ends in a newline: trimmed, as the other keys are.
+    One holding CR/LF inside would split the head of a peer batch (x-admin-api-key):
+    refused at start, naming the setting and not the key."""
+    assert load({"ADMIN_API_KEY": "adminsecret\n"}).admin_api_key == "adminsecret"
+    assert load({"ADMIN_API_KEY": " adminsecret "}).admin_api_key == "adminsecret"
+    with pytest.raises(ConfigError) as caught:
+        load({"ADMIN_API_KEY": "adminsecret\r\nX-Injected: 1"})
+    assert str(caught.value).startswith("ADMIN_API_KEY")
+    assert "adminsecret" not in str(caught.value)
+
+
 def test_repr_hides_the_admin_key():
     config = load({"ADMIN_API_KEY": "very-secret"})
     assert "very-secret" not in repr(config)
