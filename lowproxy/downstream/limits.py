@@ -91,14 +91,18 @@ def refusal(event: h11.Request, head_reads: list[bytes], head_size: int,
 def head_problem(reads: list[bytes], size: int, has_length: bool) -> str | None:
     """What h11 forgives in a request head that a proxy must refuse; None if nothing.
 
-    h11 joins obs-fold continuation lines and merges repeated equal
-    Content-Length values. An origin server may (RFC 9112 5.2, RFC 9110 8.6),
-    but a proxy refuses both. ``reads`` hold the head in their first ``size``
+    h11 joins obs-fold continuation lines, merges repeated equal Content-Length
+    values and takes a bare LF for a line end. An origin server may (RFC 9112
+    5.2 and 2.2, RFC 9110 8.6), but a proxy refuses them. ``reads`` hold the head in their first ``size``
     bytes.
     """
     head = reads[0] if len(reads) == 1 else b"".join(reads)
     if head.find(b"\n ", 0, size) >= 0 or head.find(b"\n\t", 0, size) >= 0:
         return "obsolete line folding"
+    if head.count(b"\n", 0, size) != head.count(b"\r\n", 0, size):
+        # A bare LF ends a line for h11 (RFC 9112 2.2 lets it) but not for a hop
+        # that splits on CRLF only: the two would frame the body apart.
+        return "line ending without CR"
     if has_length:
         lowered = head[:size].lower()
         start = lowered.find(b"\ncontent-length:")

@@ -41,6 +41,12 @@ AMBIGUOUS = {
     "obs-fold TE": head(extra=b"x-a: b\r\ntransfer-encoding:\r\n chunked\r\n") + b"0\r\n\r\n"
     + HIDDEN,
     "obs-fold CL": head(extra=b"x-a: b\r\n content-length: 37\r\n") + HIDDEN,
+    "bare LF before CL": head(extra=b"x-foo: a\ncontent-length: 37\r\n") + HIDDEN,
+    "bare LF before TE": head(extra=b"x-foo: a\n" + CHUNKED) + b"0\r\n\r\n" + HIDDEN,
+    "bare LF request line": b"POST /v1/models HTTP/1.1\nHost: x\r\ncontent-length: 37\r\n\r\n"
+    + HIDDEN,
+    "bare LF head end": b"POST /v1/models HTTP/1.1\r\nHost: x\r\ncontent-length: 37\r\n\n"
+    + HIDDEN,
     "chunk size not hex": head(extra=CHUNKED) + b"zz\r\n" + HIDDEN,
     "chunk size negative": head(extra=CHUNKED) + b"-1\r\n" + HIDDEN,
     "chunk size 0x": head(extra=CHUNKED) + b"0x25\r\n" + HIDDEN,
