@@ -21,7 +21,13 @@ import h11
 
 from .._types import Headers
 from ..answers import REASONS, bad_gateway, canned_response, error_body, internal_error
-from ..h11_internals import END_OF_MESSAGE, next_event, receive_request, start_next_cycle
+from ..h11_internals import (
+    END_OF_MESSAGE,
+    next_event,
+    receive_request,
+    start_next_cycle,
+    without_quoted_bytes,
+)
 from ..routes import speaks_anthropic
 from ..timeouts import deadline
 from .closing import closed
@@ -363,8 +369,10 @@ class ClientConnection:
         elif status == 431:
             await self._reject(431, "request header fields too large", "header_too_large")
         else:
-            await self._reject(status, f"malformed request: {str(exc) or 'unreadable'}",
-                               "bad_request")
+            # h11's words without the client's bytes they quote (a header an
+            # ingress added may hold a secret; logs see this text too).
+            complaint = without_quoted_bytes(str(exc), "unreadable")
+            await self._reject(status, f"malformed request: {complaint}", "bad_request")
 
     async def _receive_body(self, target: bytes) -> bytes | None:
         """The whole body, bounded; None once refused (413) or the client left."""

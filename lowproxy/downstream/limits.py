@@ -93,8 +93,8 @@ def head_problem(reads: list[bytes], size: int, has_length: bool) -> str | None:
 
     h11 joins obs-fold continuation lines, merges repeated equal Content-Length
     values and takes a bare LF for a line end. An origin server may (RFC 9112
-    5.2 and 2.2, RFC 9110 8.6), but a proxy refuses them. ``reads`` hold the head in their first ``size``
-    bytes.
+    5.2 and 2.2, RFC 9110 8.6), but a proxy refuses them. ``reads`` hold the
+    head in their first ``size`` bytes.
     """
     head = reads[0] if len(reads) == 1 else b"".join(reads)
     if head.find(b"\n ", 0, size) >= 0 or head.find(b"\n\t", 0, size) >= 0:

@@ -87,6 +87,7 @@ any of them until this module is adapted.
 
 from __future__ import annotations
 
+from .complaints import without_quoted_bytes
 from .events import informational, request, response
 from .moves import (
            END_OF_MESSAGE,
@@ -100,4 +101,4 @@ from .reads import BLANK_LINE, next_event, receive_head, receive_request
 
 __all__ = ["BLANK_LINE", "END_OF_MESSAGE", "informational", "next_event", "receive_head",
            "receive_request", "request", "response", "send_data", "send_end", "send_request",
-           "send_response", "start_next_cycle"]
+           "send_response", "start_next_cycle", "without_quoted_bytes"]

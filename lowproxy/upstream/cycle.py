@@ -34,6 +34,7 @@ from ..h11_internals import (
     send_data,
     send_end,
     send_request,
+    without_quoted_bytes,
 )
 from .chunked import Deliver, Waiting
 from .httpcore_internals import MAX_HEAD_BYTES
@@ -74,12 +75,12 @@ def request_bytes(state: h11.Connection, method: bytes, target: bytes, headers: 
 
 def _head_problem(message: str) -> str:
     """h11's complaint about a head, in the operator's terms (its state names and
-    buffer types are its own)."""
+    buffer types are its own), without the backend's bytes it quotes: a header
+    line may hold a key the backend reflects, and this text reaches log lines
+    and, under PD_PROXY_ON_PREFILL_FAILURE=error, the client."""
     if "_SWITCH_UPGRADE" in message:
         return "101 Switching Protocols, though no upgrade was asked for"
-    if message.startswith("illegal status line: bytearray("):
-        return "illegal status line: " + message[len("illegal status line: bytearray("):-1]
-    return message or "malformed response head"
+    return without_quoted_bytes(message, "malformed response head")
 
 
 class HeadReader(Waiting):

@@ -563,3 +563,25 @@ def test_one_end_of_message_serves_every_message():
         conn.start_next_cycle()
     fence(h11_internals.END_OF_MESSAGE == h11.EndOfMessage()
           and not h11_internals.END_OF_MESSAGE.headers, "EndOfMessage", "it changed")
+
+
+@pytest.mark.parametrize("role, data", [
+    (h11.SERVER, b"POST / HTTP/1.1\r\nHost: x\r\nAuthorization Bearer SECRET-1\r\n\r\n"),
+    (h11.CLIENT, b"HTTP/1.1 200 OK\r\nX-Seen Bearer SECRET-1\r\n\r\n"),
+    (h11.CLIENT, b"HTTP/1.1 2OO SECRET-1\r\n\r\n"),
+    (h11.SERVER, b"POST / HTTP/1.1\r\nHost: x\r\nx-a: SECRET-1\x00\r\n\r\n"),
+])
+def test_h11s_complaints_lose_the_bytes_they_quote(role, data):
+    """h11 quotes the peer's offending line in its message (bytearray(b'...')):
+    without_quoted_bytes keeps h11's words and drops the peer's bytes, which may
+    hold a key. Should h11 quote them otherwise, this fails."""
+    connection = h11.Connection(role)
+    if role is h11.CLIENT:
+        connection.send(h11.Request(method="GET", target="/", headers=[("host", "x")]))
+        connection.send(h11.EndOfMessage())
+    connection.receive_data(data)
+    with pytest.raises(h11.RemoteProtocolError) as caught:
+        connection.next_event()
+    assert "SECRET" in str(caught.value)  # h11 still quotes the bytes
+    kept = h11_internals.without_quoted_bytes(str(caught.value), "fallback")
+    assert "SECRET" not in kept and kept.startswith(("illegal", "Illegal", "malformed"))

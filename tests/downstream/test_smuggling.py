@@ -161,3 +161,14 @@ async def test_no_client_header_or_target_makes_the_proxy_connect_elsewhere():
             assert touched == []
     finally:
         server.close()
+
+
+async def test_a_malformed_header_line_is_refused_without_its_bytes_in_the_answer():
+    """h11 quotes the line it cannot parse; a header an ingress added (a key) came
+    back in the 400's body. The body keeps h11's words, not the client's bytes."""
+    async with pd_setup() as (proxy, prefill, decode):
+        wire = head(extra=b"Authorization: Bearer CLIENT-SECRET\x00\r\n") + b"{}"
+        replies = parse_replies(await raw_exchange(proxy.port, wire))
+        assert [r.status for r in replies] == [400]
+        assert b"malformed request" in replies[0].body and b"SECRET" not in replies[0].body
+        assert decode.received == []

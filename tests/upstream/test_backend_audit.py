@@ -182,3 +182,26 @@ async def test_a_prefill_answer_in_many_small_chunks_within_the_kept_part_is_rea
     finally:
         server.close()
         await decode.close()
+
+
+# -- a backend's bytes in an illegal head (session 38's TLS and keys audit)
+
+REFLECTED = b"HTTP/1.1 200 OK\r\nX-Seen-Authorization Bearer SECRET-REFLECTED\r\n\r\n"
+
+
+@pytest.mark.parametrize("line", [REFLECTED, b"HTTP/1.1 2OO SECRET-REFLECTED\r\n\r\n"])
+async def test_an_illegal_prefill_head_is_named_without_the_backends_bytes(caplog, line):
+    """h11 quotes the offending line; a backend reflecting the request's authorization
+    there put the key into the client's 502 (PD_PROXY_ON_PREFILL_FAILURE=error) and
+    the warning. Both now name the fault and the backend, not the bytes."""
+    caplog.set_level(logging.DEBUG)
+    async with hostile([line, CLOSE]) as prefill, hostile([answer(b"{}")]) as decode, \
+            running_proxy(config_for(prefill.url, decode.url,
+                                     on_prefill_failure="error")) as proxy:
+        reply = await proxy.request("POST", CHAT, chat())
+        assert reply.status == 502 and reply.json()["error"]["type"] == "prefill_failed"
+        message = reply.json()["error"]["message"]
+        assert "illegal" in message and b"SECRET" not in reply.body
+    logged = [record.getMessage() + str(getattr(record, "fields", "")) for record in caplog.records]
+    assert any("illegal" in text for text in logged), logged
+    assert not any("SECRET" in text for text in logged), logged
