@@ -94,6 +94,10 @@ def _identity(path: str) -> tuple[int, int, int] | None:
     return (info.st_ino, info.st_mtime_ns, info.st_size)
 
 
+def _no_pass_phrase() -> bytes:
+    raise ValueError("the key file is encrypted: lowproxy takes an unencrypted key")
+
+
 class ServerCertificate:
     """The main port's certificate (and client CA for mTLS), re-read when a file changes.
 
@@ -126,7 +130,10 @@ class ServerCertificate:
         # The client side speaks h11: HTTP/1.1 only (RFC 7301 ALPN).
         context.set_alpn_protocols(["http/1.1"])
         try:
-            context.load_cert_chain(self.cert_file, self.key_file)
+            # A password callback, so that an encrypted key is refused here
+            # instead of OpenSSL asking for its pass phrase on the terminal (which
+            # would block the event loop at a renewal).
+            context.load_cert_chain(self.cert_file, self.key_file, password=_no_pass_phrase)
         except (OSError, ValueError) as exc:  # ssl.SSLError is an OSError
             raise TrustUnavailable(f"certificate {self.cert_file} / key {self.key_file}: "
                                    f"{_reason(exc)}") from None

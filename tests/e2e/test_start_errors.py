@@ -134,3 +134,20 @@ async def test_otel_without_an_sdk_warns_once_at_start():
         assert await asyncio.to_thread(daemon.stop, signal.SIGTERM) == 0
     output = daemon.output()
     assert output.count("no OpenTelemetry SDK tracer provider is configured") == 1, output
+
+
+def test_an_encrypted_key_is_refused_without_asking_for_its_pass_phrase(tmp_path, ca):
+    """OpenSSL asks for a pass phrase on the terminal when no callback is given: at
+    start an unhelpful line, at a renewal the event loop blocked on the prompt."""
+    serialization = pytest.importorskip(
+        "cryptography.hazmat.primitives.serialization", reason="trustme brings cryptography")
+    cert = ca.issue_cert("localhost")
+    cert_file, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.cert_chain_pems[0].write_to_path(str(cert_file))
+    key = serialization.load_pem_private_key(cert.private_key_pem.bytes(), None)
+    key_file.write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"pass phrase")))
+    line = refused({"PD_PROXY_TLS_CERT_FILE": str(cert_file),
+                    "PD_PROXY_TLS_KEY_FILE": str(key_file)})
+    assert "PD_PROXY_TLS_" in line and "encrypted" in line, line
