@@ -71,10 +71,27 @@ class _Parser(argparse.ArgumentParser):
         return [name for action in self._actions for name in action.option_strings]
 
 
+def _unrecognized(words: list[str]) -> str:
+    """Unrecognized arguments as shown: a misspelt flag's value is not (it may be a
+    key: ``--admin-api-kye SECRET``), only the flag."""
+    shown, after_flag = [], False
+    for word in words:
+        if word.startswith("-"):
+            name, equals, _ = word.partition("=")
+            shown.append(name + ("=..." if equals else ""))
+            after_flag = not equals
+        else:
+            shown.append("..." if after_flag else word)
+            after_flag = False
+    return " ".join(shown)
+
+
 def _with_hint(message: str, flags: list[str]) -> str:
     """argparse's message, plus the flag meant when one was misspelt."""
     if message.startswith("unrecognized arguments:"):
-        for word in message.split(":", 1)[1].split():
+        words = message.split(":", 1)[1].split()
+        message = f"unrecognized arguments: {_unrecognized(words)}"
+        for word in words:
             close = difflib.get_close_matches(word.partition("=")[0], flags, n=1, cutoff=0.6)
             if close:
                 return f"{message} (did you mean {close[0]}?)"

@@ -9,6 +9,7 @@ prefill targets all go through it, so they agree on what a port is.
 from __future__ import annotations
 
 import ipaddress
+import re
 import shlex
 from dataclasses import dataclass
 from typing import Callable
@@ -42,6 +43,14 @@ class EndpointSpec:
         return f"{prefix}{self.scheme}://{host}:{self.port}{self.base_path}"
 
 
+def _shown(text: str) -> str:
+    """A backend URL as an error quotes it: userinfo (a password) masked."""
+    return repr(_USERINFO.sub(r"\1***@", text.strip()))
+
+
+_USERINFO = re.compile(r"^((?:dns\+)?[A-Za-z][A-Za-z0-9+.-]*://)?[^/@]*@")
+
+
 def parse_endpoint(text: str) -> EndpointSpec:
     """Parse one backend URL; raise ValueError with a reason when it is unusable."""
     raw = text.strip()
@@ -59,7 +68,7 @@ def parse_endpoint(text: str) -> EndpointSpec:
     scheme, sep, rest = raw.partition("://")
     scheme = scheme.lower()  # RFC 3986 3.1: HTTP:// is http://, as httpx took it
     if not sep or scheme not in ("http", "https"):
-        raise ValueError(f"{text.strip()!r} is not an http:// or https:// URL")
+        raise ValueError(f"{_shown(text)} is not an http:// or https:// URL")
     authority, _, path = rest.partition("/")
     if "@" in authority:
         raise ValueError("credentials in a backend URL are not supported")
@@ -68,7 +77,7 @@ def parse_endpoint(text: str) -> EndpointSpec:
     if path:
         # The client's own target (/v1/chat/completions) is sent as it came: a
         # base path would double it (http://h:8000/v1 -> /v1/v1/...).
-        raise ValueError(f"{text.strip()!r}: a backend URL takes no path (write "
+        raise ValueError(f"{_shown(text)}: a backend URL takes no path (write "
                          "scheme://host:port; the client's path is sent as it came)")
     if authority.startswith("["):
         host, _, port_text = authority[1:].partition("]")
@@ -76,7 +85,7 @@ def parse_endpoint(text: str) -> EndpointSpec:
     else:
         host, _, port_text = authority.partition(":")
     if not host:
-        raise ValueError(f"{text.strip()!r} has no host")
+        raise ValueError(f"{_shown(text)} has no host")
     port = parse_port(port_text) if port_text else (443 if scheme == "https" else 80)
     return EndpointSpec(scheme, host.lower(), port, "", discover, bootstrap_port)
 

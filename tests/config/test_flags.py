@@ -77,6 +77,19 @@ def test_a_flag_mistake_names_the_flag_with_a_short_usage():
     assert line.startswith("lowproxy: PD_PROXY_PORT:")
 
 
+def test_a_misspelt_flag_is_named_without_its_value():
+    """The value after an unknown flag may be the key it was meant to set."""
+    first, _ = _refused(["--admin-api-kye", "S3CRET-A"])
+    assert "--admin-api-kye" in first and "did you mean --admin-api-key?" in first
+    assert "S3CRET" not in first
+    first, _ = _refused(["--admin-api-kye=S3CRET-B", "stray"])
+    assert "--admin-api-kye=..." in first and "stray" in first and "S3CRET" not in first
+    # A URL's password is masked where a bad URL is quoted.
+    [line] = _refused(["--decode", "user:S3CRET-C@backend:8000"])
+    assert line.startswith("lowproxy: --decode:") and "***@backend:8000" in line
+    assert "S3CRET" not in line
+
+
 def test_start_checks_name_the_flags_given():
     port = str(free_port())
     [line] = _refused(["--port", port, "--metrics-port", port])
