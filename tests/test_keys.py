@@ -299,6 +299,25 @@ async def test_client_keys_with_forwarding_forward_the_clients_header():
         assert decode.received[0].header("authorization") == f"Bearer {CLIENT_KEY}".encode()
 
 
+async def test_forwarding_sends_only_the_authorization_that_was_checked():
+    """A second authorization header (one lowproxy never checked) does not reach the
+    backends, nor one the client's Connection names as hop-by-hop."""
+    async with keyed_setup(backend_key=CLIENT_KEY, client_api_keys=(CLIENT_KEY,),
+                           forward_authorization=True) as (proxy, prefill, decode):
+        reply = await proxy.request("POST", "/v1/chat/completions", chat(),
+                                    headers=bearer(CLIENT_KEY) + [
+                                        ("authorization", "Bearer attacker-chosen")])
+        assert reply.status == 200
+        seen = [value for name, value in decode.received[0].headers if name == b"authorization"]
+        assert seen == [f"Bearer {CLIENT_KEY}".encode()]
+        received = len(decode.received)
+        reply = await proxy.request("GET", "/v1/models", headers=bearer(CLIENT_KEY) + [
+            ("connection", "authorization")])
+        assert len(decode.received) == received + 1  # checked here, then not forwarded:
+        assert decode.received[-1].header("authorization") is None
+        assert reply.status == 401  # the backend's own refusal
+
+
 # -- no key anywhere it could leak
 
 

@@ -22,7 +22,7 @@ from ..handshakes.bootstrap import BootstrapCache
 from ..handshakes.client_body import BodyError, parse_client_body, wants_stream, without_client_kv
 from ..handshakes.legs import decode_only_plan, serialise
 from ..handshakes.planner import Generation, plan_generation, refusal_rules
-from ..headers import forwarded_request_headers, header_value
+from ..headers import connection_tokens, forwarded_request_headers, header_value
 from ..ids import Ids
 from ..keys import BackendKey, ClientKeys
 from ..observability import logs
@@ -263,7 +263,13 @@ class Proxy:
     def _exchange(self, request: ClientRequest, route: str) -> Exchange:
         upstream_headers = forwarded_request_headers(request.headers)
         if self.config.forward_authorization:  # the client's own key, to both legs
-            upstream_headers += [h for h in request.headers if h[0] == b"authorization"]
+            # The first only: the one PD_PROXY_CLIENT_API_KEYS checked (a backend
+            # reading another would take a key lowproxy never checked), and none
+            # when the client's Connection names it (hop-by-hop).
+            presented = request.header(b"authorization")
+            if presented is not None and b"authorization" not in connection_tokens(
+                    request.headers):
+                upstream_headers.append((b"authorization", presented))
         else:
             upstream_headers += self.backend_key.headers()  # none without a backend key
         # The forwarded one: an x-request-id the client's Connection names is not.
