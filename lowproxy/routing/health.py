@@ -87,6 +87,9 @@ class HealthMonitor:
         self.any_model_name = config.kv_protocol == "sglang"  # no 404 for a model name
         self.checking: dict[Endpoint, asyncio.Task[None]] = {}
         self.key_refused: set[Endpoint] = set()  # answered 401/403: warned about once
+        # Why a check's GET got no answer (refused, TLS verification, timed out):
+        # the line that takes an endpoint out says it.
+        self.last_failure: dict[Endpoint, str] = {}
         self._loop_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Model refreshes (decode, on demand): numbered as they start.
@@ -136,7 +139,10 @@ class HealthMonitor:
             for group in self.groups:
                 for endpoint in group.endpoints:
                     self._spawn(group, endpoint)
-            self.key_refused &= {e for group in self.groups for e in group.endpoints}
+            present = {e for group in self.groups for e in group.endpoints}
+            self.key_refused &= present
+            for gone in [e for e in self.last_failure if e not in present]:
+                del self.last_failure[gone]
 
     def _learn_new(self, group: BackendGroup) -> Any:
         def learn(endpoint: Endpoint) -> None:
@@ -173,7 +179,8 @@ class HealthMonitor:
             else:
                 log.warning("%s endpoint %s is out: %d health check(s) failed in a row "
                             "(last: %s)", group.role, endpoint.label,
-                            group.failed_checks.get(endpoint, 0), status or "no answer")
+                            group.failed_checks.get(endpoint, 0),
+                            status or self.last_failure.get(endpoint, "no answer"))
 
     def _note_key(self, group: BackendGroup, endpoint: Endpoint, refused: bool,
                   status: int | None) -> None:
@@ -212,9 +219,12 @@ class HealthMonitor:
                 finally:
                     await response.aclose()  # never suspends: safe when cancelled
         except (TimeoutError, UpstreamError) as exc:
-            log.debug("GET %s on %s failed: %s", target.decode(), endpoint.label,
-                      exc or "timed out")
+            failure = str(exc) if isinstance(exc, UpstreamError) and str(exc) else \
+                f"no answer within {self.config.health_timeout:g}s"
+            self.last_failure[endpoint] = failure
+            log.debug("GET %s on %s failed: %s", target.decode(), endpoint.label, failure)
             return None, b""
+        self.last_failure.pop(endpoint, None)
         return response.status, raw
 
     # -- model refreshes on demand

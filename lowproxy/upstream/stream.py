@@ -395,7 +395,8 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
             raise httpcore.ConnectError(f"TLS with {host}:{port} failed: {exc}") from None
         except OSError as exc:
             raise httpcore.ConnectError(
-                f"connect to {host}:{port} failed: {exc.strerror or exc}") from None
+                f"connect to {host}:{port} failed: "
+                f"{exc.strerror or str(exc) or type(exc).__name__}") from None
         return AsyncioStream(protocol)
 
     async def sleep(self, seconds: float) -> None:

@@ -9,9 +9,18 @@ A decode whose first check is still running is "not checked yet". Over sockets.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
-from helpers import Daemon, ScriptedBackend, config_for, free_port, request, running_proxy
+from helpers import (
+    Daemon,
+    ScriptedBackend,
+    config_for,
+    free_port,
+    request,
+    running_proxy,
+    wait_until,
+)
 from lowproxy.demo import DemoBackend
 
 CHECKS = {"health_interval": 30.0, "health_timeout": 1.0, "health_failures": 3}
@@ -65,3 +74,28 @@ async def test_the_daemon_reports_ready_only_after_checking_decode():
         assert ready.status == 503 and ready.json()["reason"] == "no healthy decode endpoint"
     finally:
         assert daemon.stop() == 0
+
+
+async def test_the_line_taking_a_decode_out_says_why_its_check_failed(caplog):
+    """"(last: no answer)" told an operator nothing: the line now carries the
+    connect, TLS or timeout failure of the check, and a reset with no text is named."""
+    caplog.set_level(logging.WARNING, logger="lowproxy")
+    nothing = f"http://127.0.0.1:{free_port()}"
+    plain = await DemoBackend("decode").start()  # plain HTTP, named https: TLS fails
+    hung = await ScriptedBackend(hang).start()
+    try:
+        decodes = [nothing, plain.url.replace("http://", "https://"), hung.url()]
+        async with running_proxy(config_for((), decodes, **CHECKS)):
+            def out_lines() -> list[str]:
+                return [r.getMessage() for r in caplog.records if " is out: " in r.getMessage()]
+            await wait_until(lambda: len(out_lines()) == 3, 10, "three decodes out")
+        lines = out_lines()
+        assert all("no answer)" not in line for line in lines), lines
+        assert all(not line.rstrip(")").endswith("failed: ") for line in lines), lines
+        by_backend = {decode: next(line for line in lines if decode.lower() in line)
+                      for decode in decodes}
+        assert "connect to" in by_backend[nothing]
+        assert "within 1s" in by_backend[hung.url()]
+    finally:
+        await plain.close()
+        await hung.close()
