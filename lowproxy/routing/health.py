@@ -87,6 +87,7 @@ class HealthMonitor:
         self.any_model_name = config.kv_protocol == "sglang"  # no 404 for a model name
         self.checking: dict[Endpoint, asyncio.Task[None]] = {}
         self.key_refused: set[Endpoint] = set()  # answered 401/403: warned about once
+        self.keyless: set[Endpoint] = set()  # the same, with the clients' keys forwarded
         # Why a check's GET got no answer (refused, TLS verification, timed out):
         # the line that takes an endpoint out says it.
         self.last_failure: dict[Endpoint, str] = {}
@@ -141,6 +142,7 @@ class HealthMonitor:
                     self._spawn(group, endpoint)
             present = {e for group in self.groups for e in group.endpoints}
             self.key_refused &= present
+            self.keyless &= present
             for gone in [e for e in self.last_failure if e not in present]:
                 del self.last_failure[gone]
 
@@ -158,12 +160,22 @@ class HealthMonitor:
 
     async def _check(self, group: BackendGroup, endpoint: Endpoint) -> None:
         status, _ = await self._get(endpoint, HEALTH_TARGET)
+        forwarding = self.config.forward_authorization
+        if forwarding and status in KEY_REFUSED:
+            # With the clients' keys forwarded lowproxy has none of its own: a
+            # backend refusing it answered, so it is up (the clients' requests
+            # carry the key it wants).
+            self._note_keyless(group, endpoint)
+            status = 200
         ok = status is not None and 200 <= status < 300
         if ok:
             # vLLM's --api-key guards /v1 only: a wrong key shows on the model list.
             models_status = await self._learn_models(group, endpoint)
             if models_status in KEY_REFUSED:
-                ok, status = False, models_status
+                if forwarding:
+                    self._note_keyless(group, endpoint)  # up; its model list unread
+                else:
+                    ok, status = False, models_status
         refused = status in KEY_REFUSED
         # A refused key is a misconfiguration, not a flap: out at once.
         failures_allowed = 1 if refused else self.config.health_failures
@@ -181,6 +193,14 @@ class HealthMonitor:
                             "(last: %s)", group.role, endpoint.label,
                             group.failed_checks.get(endpoint, 0),
                             status or self.last_failure.get(endpoint, "no answer"))
+
+    def _note_keyless(self, group: BackendGroup, endpoint: Endpoint) -> None:
+        if endpoint not in self.keyless:
+            self.keyless.add(endpoint)
+            log.info("%s endpoint %s wants a key for lowproxy's health checks, and "
+                     "PD_PROXY_FORWARD_AUTHORIZATION leaves lowproxy none of its own: it "
+                     "counts as up when it answers, and its model list is not read",
+                     group.role, endpoint.label)
 
     def _note_key(self, group: BackendGroup, endpoint: Endpoint, refused: bool,
                   status: int | None) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from helpers import ScriptedBackend, config_for, running_proxy, wait_until
-from lowproxy.demo import DemoBackend
+from lowproxy.demo import DemoBackend, KvRegistry
 
 RIGHT, WRONG = "right-key-4b1d", "wrong-key-9f3e"
 CHECKS = {"health_interval": 0.2, "health_timeout": 2.0, "health_failures": 3}
@@ -71,3 +71,41 @@ async def test_a_backend_refusing_the_key_is_unhealthy_with_a_warning_naming_the
         assert WRONG not in logged and RIGHT not in logged
     finally:
         await backend.close()
+
+
+@pytest.mark.parametrize("kind", ["vllm-401-on-models", "403-on-health"])
+async def test_with_the_clients_keys_forwarded_a_backend_wanting_a_key_is_up(kind, caplog):
+    """PD_PROXY_FORWARD_AUTHORIZATION leaves lowproxy no key of its own (a backend key
+    beside it is refused at start), so its checks are refused by a vLLM started with
+    --api-key. That backend answered: it is up, /readyz is 200 and the prefill leg is
+    sent (before, every endpoint was out for good and PD silently off)."""
+    caplog.set_level(logging.INFO)
+    registry = KvRegistry()
+    prefill = await DemoBackend("prefill", api_key=RIGHT, registry=registry).start()
+    if kind == "vllm-401-on-models":
+        decode: Any = await DemoBackend("decode", api_key=RIGHT, registry=registry).start(
+            bootstrap_port=None)
+        url = decode.url
+    else:
+        decode = await ScriptedBackend(refuse_everything).start()
+        url = decode.url()
+    try:
+        config = config_for(prefill.url, url, forward_authorization=True, **CHECKS)
+        async with running_proxy(config) as running:
+            assert (await running.request("GET", "/readyz")).status == 200
+            assert running.proxy.decode.health_state(running.proxy.decode.endpoints[0]) \
+                == "healthy"
+            if kind == "vllm-401-on-models":
+                reply = await running.request(
+                    "POST", "/v1/chat/completions", {
+                        "model": "demo-model", "max_tokens": 4,
+                        "messages": [{"role": "user", "content": "hi"}]},
+                    headers=[("authorization", f"Bearer {RIGHT}")])
+                assert reply.status == 200, reply.body
+                assert [r.path for r in prefill.received if r.method == "POST"] == [
+                    "/v1/chat/completions"]
+        assert not key_warnings(caplog)
+        assert any("its model list is not read" in r.getMessage() for r in caplog.records)
+    finally:
+        await decode.close()
+        await prefill.close()
