@@ -424,7 +424,12 @@ class Proxy:
     async def _passthrough(self, exchange: Exchange, responder: ResponseWriter) -> None:
         request = exchange.request
         body = None
-        if request.method == b"POST":
+        if request.method == b"POST" and _is_form(request.header(b"content-type")):
+            # vLLM's audio APIs (/v1/audio/transcriptions, /translations) take
+            # multipart forms: relayed as they came, with their boundary; nothing
+            # in a form is a prefill/decode field.
+            body = request.body
+        elif request.method == b"POST":
             try:
                 parsed = parse_client_body(request.body)
             except BodyError as exc:
@@ -461,6 +466,10 @@ class Proxy:
         metrics.endpoint_health.read = self.health.health_states
         metrics.endpoint_in_flight.read = self.health.in_flight
         metrics.endpoint_engine_load.read = self.engine_loads.gauges
+
+
+def _is_form(content_type: bytes | None) -> bool:
+    return content_type is not None and content_type[:19].lower() == b"multipart/form-data"
 
 
 def _ms(value: float | None) -> float | None:

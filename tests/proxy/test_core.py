@@ -162,6 +162,27 @@ async def test_bad_bodies_are_400_and_cost_nothing_upstream(path, raw, error):
         assert prefill.received == [] and decode.received == []
 
 
+async def test_a_multipart_form_is_relayed_as_it_came_to_decode():
+    """vLLM's audio APIs take multipart forms; the GCO proxy refused them as bad
+    JSON, llm-d's sidecar relays them: relayed, boundary and bytes unchanged. A
+    generation route still wants JSON."""
+    form = (b"--XyZ\r\ncontent-disposition: form-data; name=\"model\"\r\n\r\nwhisper\r\n"
+            b"--XyZ\r\ncontent-disposition: form-data; name=\"file\"; filename=\"a.wav\"\r\n"
+            b"content-type: audio/wav\r\n\r\nRIFF\x00\x01\xff\r\n--XyZ--\r\n")
+    content_type = [("content-type", "multipart/form-data; boundary=XyZ")]
+    async with pd_setup() as (proxy, prefill, decode):
+        await proxy.request("POST", "/v1/audio/transcriptions", raw_body=form,
+                            headers=content_type)
+        [seen] = decode.received
+        assert seen.path == "/v1/audio/transcriptions" and seen.raw_body == form
+        assert seen.header("content-type") == b"multipart/form-data; boundary=XyZ"
+        assert prefill.received == []
+        reply = await proxy.request("POST", "/v1/chat/completions", raw_body=form,
+                                    headers=content_type)
+        assert reply.status == 400 and reply.json() == {"error": "invalid JSON body"}
+        assert len(decode.received) == 1
+
+
 # -- generation routing
 
 
