@@ -25,7 +25,6 @@ round-robin.
 
 from __future__ import annotations
 
-import random
 import time
 from collections import OrderedDict
 
@@ -79,8 +78,8 @@ class PrefillChooser:
         """The scheduler-named endpoint; raises TargetRefused for a refused header."""
         if header is None or not self.allow.enabled:
             return None
-        targets = self._named_targets(header)
-        return self._named_endpoint(random.choice(targets)) if targets else None
+        target = self._named_target(header)
+        return self._named_endpoint(target) if target is not None else None
 
     def lease(self, named: Endpoint | None, facts: PromptFacts,
               model: str | None, blocks: PromptBlocks = NO_BLOCKS) -> PrefillLease:
@@ -145,11 +144,17 @@ class PrefillChooser:
             self.choices.inc(reason)
         return endpoint
 
-    def _named_targets(self, header: bytes) -> list[tuple[str, int]]:
-        targets = []
+    def _named_target(self, header: bytes) -> tuple[str, int] | None:
+        """The first target the header lists, as llm-d's sidecar takes it (without its
+        --enable-prefiller-sampling): the scheduler lists its best first. Only that
+        one is held to the allow list; ``scheme://host:port`` is read as host:port."""
         for item in header.decode("latin-1").split(","):
-            if not item.strip():
+            item = item.strip()
+            if not item:
                 continue
+            _, sep, rest = item.partition("://")
+            if sep and _.lower() in ("http", "https"):
+                item = rest.rstrip("/")
             try:
                 host, port = split_host_port(item)
             except ValueError:
@@ -158,8 +163,8 @@ class PrefillChooser:
                 raise TargetRefused(400, "x-prefiller-host-port must be host:port")
             if not self.allow.allows(host, port):
                 raise TargetRefused(403, "prefill target not allowed", f"{host}:{port}")
-            targets.append((host, port))
-        return targets
+            return host, port
+        return None
 
     def _named_endpoint(self, key: tuple[str, int]) -> Endpoint:
         for configured in self.group.endpoints:

@@ -64,15 +64,18 @@ async def test_allowlist_entries_by_host_and_by_host_port():
             assert other_port.status == (200 if ":" not in allow else 403)
 
 
-async def test_a_list_of_targets_picks_one_of_them():
+async def test_a_list_of_targets_takes_the_first_as_llm_ds_sidecar_does():
+    """The scheduler lists its best first: the sidecar takes it (unless sampling is
+    turned on) and holds only it to the allow list; ``http://host:port`` is read too."""
     async with cluster(prefill_header_allow=("127.0.0.1",)) as (proxy, (a, b, c), decode):
-        named = f"127.0.0.1:{b.port}, 127.0.0.1:{c.port}"
-        for _ in range(12):
-            reply = await proxy.request("POST", CHAT, chat(), headers=[(HEADER, named)])
-            assert reply.status == 200, reply.body
-        assert generations(a) == []
-        assert len(generations(b)) + len(generations(c)) == 12
-        assert generations(b) and generations(c)  # random choice: both used (p of not: 2^-11)
+        for named in (f"127.0.0.1:{b.port}, 127.0.0.1:{c.port}",
+                      f"127.0.0.1:{b.port}, 169.254.169.254:80",  # the second not allowed
+                      f"http://127.0.0.1:{b.port}/"):
+            for _ in range(4):
+                reply = await proxy.request("POST", CHAT, chat(), headers=[(HEADER, named)])
+                assert reply.status == 200, (named, reply.body)
+        assert generations(a) == [] and generations(c) == []
+        assert len(generations(b)) == 12
 
 
 async def test_mooncake_with_a_named_target_uses_its_bootstrap_server():
@@ -102,7 +105,7 @@ async def test_target_outside_the_allowlist_is_refused_without_any_backend_call(
     async with cluster(prefill_header_allow=("10.0.0.0/8", "127.0.0.1:1")) as (
             proxy, (a, b, c), decode):
         for named in (f"127.0.0.1:{b.port}", "169.254.169.254:80",
-                      f"10.1.2.3:8000, 127.0.0.1:{b.port}", "evil.example:80"):
+                      f"127.0.0.1:{b.port}, 10.1.2.3:8000", "evil.example:80"):
             reply = await proxy.request("POST", CHAT, chat(), headers=[(HEADER, named)])
             assert reply.status == 403, named
             assert reply.header("content-type") == b"application/json"
