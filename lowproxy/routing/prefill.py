@@ -25,6 +25,7 @@ round-robin.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 
@@ -36,6 +37,8 @@ from .affinity import PromptFacts, Ring, choose_bounded, stable_hash
 from .blocks import NO_BLOCKS, PromptBlocks
 from .cache_router import CacheRouter
 from .groups import HEADER_TARGETS_KEPT, BackendGroup, PrefillTargetAllowList
+
+log = logging.getLogger("lowproxy.routing")
 
 POLICIES = ("cache-aware", "affinity", "least-loaded", "round-robin")
 
@@ -64,6 +67,7 @@ class PrefillChooser:
         self.group = group
         self.router = router if policy == "cache-aware" else None
         self.allow = allow
+        self._ignored_header_told = False
         self.upstream = upstream
         self.policy = policy
         self.slack = slack
@@ -76,7 +80,14 @@ class PrefillChooser:
 
     def named_target(self, header: bytes | None) -> Endpoint | None:
         """The scheduler-named endpoint; raises TargetRefused for a refused header."""
-        if header is None or not self.allow.enabled:
+        if header is None:
+            return None
+        if not self.allow.enabled:
+            if not self._ignored_header_told:  # said once: a scheduler sends it always
+                self._ignored_header_told = True
+                log.warning("x-prefiller-host-port is ignored: PD_PROXY_PREFILL_HEADER_ALLOW "
+                            "is empty (set it to the prefill pods' hosts or CIDRs to honour "
+                            "a scheduler's choice)")
             return None
         target = self._named_target(header)
         return self._named_endpoint(target) if target is not None else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 
 from helpers import CHAT, chat, config_for, running_proxy
 from lowproxy.demo import DemoBackend, KvRegistry
@@ -123,13 +124,18 @@ async def test_malformed_target_is_a_client_error():
         assert decode.received == [] and a.received == []
 
 
-async def test_header_is_ignored_without_an_allowlist():
+async def test_header_is_ignored_without_an_allowlist(caplog):
+    caplog.set_level(logging.WARNING, logger="lowproxy")
     async with cluster() as (proxy, (a, b, c), decode):
         for named in (f"127.0.0.1:{b.port}", "169.254.169.254:80", "garbage"):
             reply = await proxy.request("POST", CHAT, chat(), headers=[(HEADER, named)])
             assert reply.status == 200, reply.body
         assert len(generations(a)) == 3 and generations(b) == []
         assert no_header_reached(a, b, c, decode)
+    # Said once, naming the setting: a scheduler's choice silently dropped would
+    # leave an operator guessing why PD never follows it.
+    told = [r.getMessage() for r in caplog.records if "x-prefiller-host-port" in r.getMessage()]
+    assert len(told) == 1 and "PD_PROXY_PREFILL_HEADER_ALLOW" in told[0]
 
 
 async def test_named_target_without_configured_prefill():
