@@ -112,7 +112,13 @@ async def serve(config: Config, listeners: Listeners, ready: asyncio.Future[int]
         # Under sglang the demo is strict as SGLang's PD servers are (a decode
         # leg without bootstrap_room is refused), so the demo shows what they accept.
         options["sglang_pd"] = options["sglang_pd"] or config.kv_protocol == "sglang"
-        demo = await start_pair(**options)
+        try:
+            demo = await start_pair(**options)
+        except OSError as exc:  # a demo port taken (--demo-args with fixed ports)
+            logs.start_error(f"PD_PROXY_DEMO_ARGS: the demo backends cannot listen: "
+                             f"{exc.strerror or exc}", config.log_format == "json",
+                             setting="PD_PROXY_DEMO_ARGS")
+            return 2
         config = dataclasses.replace(
             config, prefill=(parse_endpoint(demo[0].url + f"#bootstrap_port="
                                             f"{demo[0].bootstrap_port}"),),
@@ -120,12 +126,18 @@ async def serve(config: Config, listeners: Listeners, ready: asyncio.Future[int]
     certificate = server_certificate(config) if config.tls_cert_file else None
     try:  # checked at start already; a file can still break before a worker starts
         proxy = Proxy(config)
-        if share is not None and worker is not None:
-            proxy.share_with_workers(share.directory, worker)
         context = certificate.context() if certificate is not None else None
     except TrustUnavailable as exc:
         log.error("cannot start: %s", exc)
         return 2
+    if share is not None and worker is not None:
+        try:
+            proxy.share_with_workers(share.directory, worker)
+        except OSError as exc:  # a TMPDIR too long for a Unix socket's path
+            logs.start_error(f"TMPDIR: the workers' sockets under {share.directory}: "
+                             f"{exc.strerror or exc} (set TMPDIR to a shorter directory)",
+                             config.log_format == "json", setting="TMPDIR")
+            return 2
     await proxy.start()
     server = HttpServer(proxy.handle, limits_of(config),
                         on_connections=lambda n: proxy.metrics.client_connections.add(n))
@@ -223,14 +235,8 @@ def _run(config: Config, listeners: Listeners, share: MetricsShare | None = None
          worker: int | None = None) -> int:
     """Run serve() on the configured event loop."""
     loop_factory: Callable[[], asyncio.AbstractEventLoop] = asyncio.new_event_loop
-    if config.loop in ("auto", "uvloop"):
-        if UVLOOP_FACTORY is not None:
-            loop_factory = UVLOOP_FACTORY
-        elif config.loop == "uvloop":
-            logs.start_error("PD_PROXY_LOOP: uvloop is not installed (pip install "
-                             "'lowproxy[fast]')", config.log_format == "json",
-                             setting="PD_PROXY_LOOP")
-            return 2
+    if config.loop in ("auto", "uvloop") and UVLOOP_FACTORY is not None:
+        loop_factory = UVLOOP_FACTORY  # (uvloop asked for and missing: check_start)
     loop = loop_factory()
     asyncio.set_event_loop(loop)
     try:
@@ -253,7 +259,14 @@ def _run_workers(config: Config, listeners: Listeners) -> int:
         logs.configure(config.log_level, config.log_format, worker=index)  # in the fork
         return _run(config, listeners, MetricsShare(directory, seq), worker=index)
 
-    supervisor = Supervisor(config.workers, run_worker, lambda seq: mark_dead(directory, seq))
+    def stop_listening() -> None:
+        # The workers' copies close as they drain; this one too, or the port stays
+        # in LISTEN and a connection made during the drain hangs, then is reset.
+        # The metrics port stays up through the drain (probes).
+        listeners.main.close()
+
+    supervisor = Supervisor(config.workers, run_worker, lambda seq: mark_dead(directory, seq),
+                            on_stop=stop_listening)
     try:
         status = supervisor.run()
     finally:
@@ -269,6 +282,10 @@ def check_start(config: Config, name: Callable[[str], str] = setting_name()) -> 
     """Settings that parse but cannot work together, and files that cannot be used.
 
     ``name(field)`` is how the line names a setting: its flag when that was given."""
+    if config.loop == "uvloop" and UVLOOP_FACTORY is None:
+        # Here, not in the worker: under --workers each would say it, and exit.
+        raise StartError(f"{name('loop')}: uvloop is not installed (pip install "
+                         "'lowproxy[fast]')", name('loop'))
     if config.metrics_port and config.metrics_port == config.port:
         raise StartError(f"{name('metrics_port')} {config.metrics_port} is the main port "
                          f"({name('port')}): choose another one", name('metrics_port'))

@@ -9,9 +9,12 @@ of handler re-entrancy:
 
 - SIGCHLD: a worker exited. It is logged with its status and started again;
   one that keeps dying soon after start waits longer each time (back-off).
-- SIGTERM/SIGINT: forwarded to every worker, which drains; the parent exits
-  when all have, 0 if all drained cleanly. A second signal is forwarded too
-  (a worker exits at once on its second).
+- SIGTERM/SIGINT: forwarded to every worker, which drains; the parent closes
+  its own copy of the listening socket (so new connections are refused, not
+  left queued) and exits when all have, 0 if all drained cleanly. A second
+  signal is forwarded too (a worker exits at once on its second).
+- A worker exiting with status 2 from its first start could not start (a start
+  mistake, said in its one line): the others are stopped and the parent exits 2.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ class _Slot:
     started: float = 0.0
     quick_deaths: int = 0
     restart_at: float | None = None
+    lives: int = 0  # forks of this slot
 
 
 def _die_with(parent: int) -> None:
@@ -69,13 +73,16 @@ class Supervisor:
     """
 
     def __init__(self, count: int, run_worker: Callable[[int, int], int],
-                 on_exit: Callable[[int], None]) -> None:
+                 on_exit: Callable[[int], None],
+                 on_stop: Callable[[], None] | None = None) -> None:
         self.slots = [_Slot(index) for index in range(count)]
         self.run_worker = run_worker
         self.on_exit = on_exit
+        self.on_stop = on_stop  # in the parent, once, when the drain begins
         self.parent = os.getpid()
         self.stopping = False
         self.failed = False
+        self.status = 0  # 2: a worker could not start (a start mistake): all stop
         self._forks = 0
         self._mask: set[int | signal.Signals] = set()
 
@@ -95,7 +102,7 @@ class Supervisor:
                     self._forward(info.si_signo)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, self._mask)
-        return 1 if self.failed else 0
+        return self.status or (1 if self.failed else 0)
 
     def _fork(self, slot: _Slot) -> None:
         self._forks += 1
@@ -116,6 +123,7 @@ class Supervisor:
             finally:
                 os._exit(status)
         slot.pid, slot.seq, slot.started, slot.restart_at = pid, seq, time.monotonic(), None
+        slot.lives += 1
 
     def _reap(self) -> None:
         while True:
@@ -134,6 +142,16 @@ class Supervisor:
                 self.failed = self.failed or os.waitstatus_to_exitcode(status) != 0
                 continue
             lived = time.monotonic() - slot.started
+            if os.waitstatus_to_exitcode(status) == 2 and slot.lives == 1:
+                # Status 2 at a worker's first start is a start mistake (its one
+                # line is above): starting it again would only print it again,
+                # for ever. (A restart failing so, a CA file gone meanwhile say,
+                # backs off and is tried again: the file may come back.)
+                log.error("worker %d (pid %d) could not start (status 2): stopping",
+                          slot.index, pid)
+                self.status = 2
+                self._forward(signal.SIGTERM)
+                continue
             slot.quick_deaths = slot.quick_deaths + 1 if lived < STABLE_SECONDS else 0
             delay = 0.0 if not slot.quick_deaths else min(
                 MAX_BACKOFF, FIRST_BACKOFF * 2 ** (slot.quick_deaths - 1))
@@ -155,6 +173,8 @@ class Supervisor:
         return min(waits)
 
     def _forward(self, signum: int) -> None:
+        if not self.stopping and self.on_stop is not None:
+            self.on_stop()
         self.stopping = True
         for slot in self.slots:
             slot.restart_at = None

@@ -151,3 +151,18 @@ def test_an_encrypted_key_is_refused_without_asking_for_its_pass_phrase(tmp_path
     line = refused({"PD_PROXY_TLS_CERT_FILE": str(cert_file),
                     "PD_PROXY_TLS_KEY_FILE": str(key_file)})
     assert "PD_PROXY_TLS_" in line and "encrypted" in line, line
+
+
+def test_uvloop_asked_for_and_missing_is_a_start_error_before_any_worker(monkeypatch):
+    """Checked before the fork: in each worker it was said once per worker, each then
+    exiting, where the parent restarted them."""
+    import dataclasses
+
+    from lowproxy import daemon
+    from lowproxy.config import Config
+
+    monkeypatch.setattr(daemon, "UVLOOP_FACTORY", None)
+    with pytest.raises(daemon.StartError) as caught:
+        daemon.check_start(dataclasses.replace(Config(), loop="uvloop", workers=2))
+    assert str(caught.value).startswith("PD_PROXY_LOOP: uvloop is not installed")
+    daemon.check_start(dataclasses.replace(Config(), loop="auto"))  # auto: asyncio then

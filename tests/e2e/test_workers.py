@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 
 import pytest
 
@@ -252,6 +253,64 @@ async def test_a_worker_that_keeps_dying_is_restarted_with_back_off(tmp_path):
         await wait_until(lambda: len(children_of(daemon.proc.pid)) == 2
                          and daemon.output().count("listening on") >= 3, 15, "recovered")
         assert await asyncio.to_thread(daemon.stop, signal.SIGTERM) == 0
+    finally:
+        stop(daemon)
+        await decode.close()
+        await prefill.close()
+
+
+async def test_a_start_mistake_in_a_worker_stops_the_daemon_with_status_2():
+    """A mistake found only in the worker (here the demo's fixed ports, taken) used
+    to restart it for ever, each time with its traceback, while the parent held the
+    port. A worker's first start ending with status 2 now stops them all: exit 2."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        port = taken.getsockname()[1]
+        daemon = Daemon(["--workers", "2", "--host", "127.0.0.1", "--port", "0", "--demo",
+                         "--loop", "asyncio",
+                         f"--demo-args=--prefill-port {port} --decode-port {free_port()}"])
+        try:
+            assert await asyncio.to_thread(daemon.proc.wait, 30) == 2
+            output = daemon.output()
+            assert "Traceback" not in output and "restarting" not in output, output
+            assert "PD_PROXY_DEMO_ARGS" in output and "could not start" in output
+        finally:
+            stop(daemon)
+    finally:
+        taken.close()
+
+
+async def test_a_connection_made_during_the_drain_is_refused_not_left_hanging():
+    """The parent held its copy of the listening socket through the drain, so the
+    port stayed in LISTEN: a connection made then hung to the drain's end and was
+    reset (a POST sent on it lost). The parent now closes its copy at the signal."""
+    registry = KvRegistry()
+    prefill = await demo("prefill", registry)
+    decode = await demo("decode", registry)
+    daemon = worker_daemon(prefill, decode, "--drain", "10")
+    try:
+        port = await started(daemon)
+        decode.faults.delay = 3.0  # a request in flight keeps the drain going
+        slow = asyncio.create_task(request(port, "POST", "/v1/chat/completions", chat()))
+        await wait_until(lambda: len(decode.received) == 1, 10, "request at decode")
+        daemon.proc.send_signal(signal.SIGTERM)
+
+        async def refused() -> bool:
+            try:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            except ConnectionRefusedError:
+                return True
+            writer.close()
+            return False
+
+        deadline = asyncio.get_running_loop().time() + 2.0
+        while not await refused():
+            assert asyncio.get_running_loop().time() < deadline, "still accepting"
+            await asyncio.sleep(0.05)
+        assert (await slow).status == 200  # what was in flight still finishes
+        assert await asyncio.to_thread(daemon.proc.wait, 30) == 0, daemon.output()
     finally:
         stop(daemon)
         await decode.close()
