@@ -338,9 +338,10 @@ def bind(host: str, port: int, setting: str, host_setting: str = "PD_PROXY_HOST"
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as exc:
+    except (socket.gaierror, UnicodeError) as exc:  # UnicodeError: a label over 63
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else "not a valid host name"
         raise StartError(f"cannot listen on {host}:{port} ({host_setting}: "
-                         f"{exc.strerror})", host_setting) from None
+                         f"{reason})", host_setting) from None
     sock = socket.socket(family, kind, proto)
     try:
         # SO_REUSEADDR only lets a restart bind past connections in TIME_WAIT;

@@ -43,6 +43,14 @@ class EndpointSpec:
         return f"{prefix}{self.scheme}://{host}:{self.port}{self.base_path}"
 
 
+def _is_address(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _shown(text: str) -> str:
     """A backend URL as an error quotes it: userinfo (a password) masked."""
     return repr(_USERINFO.sub(r"\1***@", text.strip()))
@@ -86,6 +94,12 @@ def parse_endpoint(text: str) -> EndpointSpec:
         host, _, port_text = authority.partition(":")
     if not host:
         raise ValueError(f"{_shown(text)} has no host")
+    if not _is_address(host):
+        try:  # what getaddrinfo will do with it: a label empty or over 63 fails there
+            host.encode("idna")
+        except UnicodeError:
+            raise ValueError(f"{_shown(text)}: {host!r} is not a valid host name (an "
+                             "empty label, or one over 63 characters)") from None
     port = parse_port(port_text) if port_text else (443 if scheme == "https" else 80)
     return EndpointSpec(scheme, host.lower(), port, "", discover, bootstrap_port)
 

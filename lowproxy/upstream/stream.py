@@ -393,6 +393,9 @@ class AsyncioBackend(httpcore.AsyncNetworkBackend):
             raise httpcore.ConnectTimeout(f"connect to {host}:{port} timed out") from None
         except ssl.SSLError as exc:
             raise httpcore.ConnectError(f"TLS with {host}:{port} failed: {exc}") from None
+        except UnicodeError:  # a name getaddrinfo cannot encode (parse_endpoint refuses them)
+            raise httpcore.ConnectError(f"connect to {host}:{port} failed: not a valid host "
+                                        "name") from None
         except OSError as exc:
             raise httpcore.ConnectError(
                 f"connect to {host}:{port} failed: "

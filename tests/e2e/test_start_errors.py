@@ -61,10 +61,19 @@ def test_metrics_port_equal_to_the_port():
     ("http://decode:8000?a=1", "no query"),
     ("http://decode:8000#weight=2", "unknown option"),
     ("http://decode:80x0", "not a port number"),
+    # Names getaddrinfo cannot encode passed start and then failed every request
+    # (500) and every health check (a traceback each interval).
+    ("http://vllm-decode..svc:8000", "not a valid host name"),
+    ("dns+http://" + "a" * 64 + ".svc:8000", "not a valid host name"),
 ])
 def test_a_backend_url_that_would_be_misread(url, reason):
     line = refused({"PD_PROXY_DECODE_URL": url})
     assert "PD_PROXY_DECODE_URL" in line and reason in line
+
+
+def test_a_listen_host_that_cannot_be_encoded():
+    line = refused({"PD_PROXY_HOST": "a" * 64})
+    assert "PD_PROXY_HOST" in line and "not a valid host name" in line
 
 
 @pytest.mark.parametrize("which", ["missing", "garbage"])
