@@ -20,6 +20,7 @@ from __future__ import annotations
 import ipaddress
 import json
 import logging
+import socket
 import time
 from typing import Callable, Iterable
 
@@ -87,6 +88,7 @@ class BackendGroup:
         self._discovered: dict[EndpointSpec, dict[str, Endpoint]] = {
             spec: {} for spec in self.specs if spec.discover}
         self._added: list[Endpoint] = []  # by POST /instances/add: in memory only
+        self._resolve_failing: set[EndpointSpec] = set()  # dns+ names failing to resolve
         self.endpoints: list[Endpoint] = list(self._static)
         # Removed while requests were in flight: swept until their connections close.
         self.retired: list[Endpoint] = []
@@ -347,20 +349,43 @@ class BackendGroup:
         for spec, known in self._discovered.items():
             try:
                 addresses = await resolver(spec.host, spec.port)
-            except Exception as exc:  # keep the last good answer
-                log.warning("%s: resolving %s failed, keeping %d address(es): %s",
-                            self.role, spec.label, len(known), exc)
-                continue
+            except Exception as exc:
+                if not _no_such_name(exc):  # a transient failure: keep the last answer
+                    if spec not in self._resolve_failing:
+                        self._resolve_failing.add(spec)  # said once, at the streak's start
+                        log.warning("%s: resolving %s failed, keeping %d address(es) "
+                                    "until it resolves again: %s",
+                                    self.role, spec.label, len(known), exc)
+                    continue
+                # NXDOMAIN: the name has no address (CoreDNS's answer for a headless
+                # Service with no ready pod), not a resolver failing.
+                addresses = []
+            if spec in self._resolve_failing:
+                self._resolve_failing.discard(spec)
+                log.info("%s: %s resolves again", self.role, spec.label)
             fresh = {address: known.get(address) or Endpoint(spec, address)
                      for address in addresses}
             for address, endpoint in known.items():
                 if address not in fresh:
                     upstream.close_idle(endpoint)
+                    if endpoint.in_flight or endpoint.open:
+                        # Its streams finish on their connections, which are then
+                        # closed by the sweep (close_idle alone missed those in use).
+                        self.retired.append(endpoint)
             if set(fresh) != set(known):
                 log.info("%s: %s resolves to %s", self.role, spec.label,
                          ", ".join(sorted(fresh)) or "nothing")
             self._discovered[spec] = fresh
         self._rebuild()  # endpoints added at run time stay
+
+
+def _no_such_name(exc: BaseException) -> bool:
+    """A resolver's answer that the name has no address (NXDOMAIN, no data)."""
+    return isinstance(exc, socket.gaierror) and exc.errno in _NO_SUCH_NAME
+
+
+_NO_SUCH_NAME = {code for code in (getattr(socket, "EAI_NONAME", None),
+                                   getattr(socket, "EAI_NODATA", None)) if code is not None}
 
 
 class PrefillTargetAllowList:

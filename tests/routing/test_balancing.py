@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import ssl
 import time
@@ -195,9 +196,12 @@ class Resolver:
         self.addresses = list(addresses)
         self.calls: list[tuple[str, int]] = []
         self.fail = False
+        self.no_such_name = False
 
     async def __call__(self, host: str, port: int) -> list[str]:
         self.calls.append((host, port))
+        if self.no_such_name:  # what getaddrinfo raises for NXDOMAIN
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
         if self.fail:
             raise OSError("resolver down")
         return list(self.addresses)
@@ -226,6 +230,41 @@ async def test_dns_discovery_balances_over_every_address_and_follows_changes():
             await proxy.proxy.refresh_discovery()
             assert (await proxy.request("POST", CHAT, chat())).status == 200
             assert served(two) == 6
+
+
+async def test_a_name_that_stops_existing_resolves_to_nothing_and_in_use_pools_retire(caplog):
+    """NXDOMAIN (CoreDNS's answer for a headless Service with no ready pod) is an
+    answer, not a resolver failing: the last addresses are dropped (pod IPs may be
+    reused), where a failing resolver keeps them, said once per streak. An address
+    that leaves while a request is on it finishes there, and its connection is then
+    closed by the sweep (it stayed open until the backend closed it)."""
+    caplog.set_level(logging.INFO, logger="lowproxy")
+    async with two_addresses() as (port, (one, two)):
+        resolver = Resolver("127.0.0.1", "127.0.0.2")
+        config = config_for((), f"dns+http://decode.svc:{port}")
+        async with running_proxy(config, resolver=resolver) as proxy:
+            group = proxy.proxy.decode
+            leaving = next(e for e in group.endpoints if e.connect_host == "127.0.0.2")
+            one.faults.delay = two.faults.delay = 1.0
+            slow = [asyncio.create_task(proxy.request("POST", CHAT, chat())) for _ in range(2)]
+            await wait_until(lambda: leaving.in_flight == 1, 5, "a request on 127.0.0.2")
+            resolver.addresses = ["127.0.0.1"]
+            await proxy.proxy.refresh_discovery()
+            assert leaving in group.retired and leaving.open == 1  # in use: kept
+            assert all(reply.status == 200 for reply in await asyncio.gather(*slow))
+            await proxy.proxy.refresh_discovery()  # the sweep closes what it left
+            assert leaving not in group.retired and leaving.open == 0
+
+            resolver.fail = True
+            for _ in range(3):
+                await proxy.proxy.refresh_discovery()
+            assert len(group.endpoints) == 1  # kept through a failing resolver
+            assert sum("resolving" in r.getMessage() for r in caplog.records) == 1
+            resolver.fail, resolver.no_such_name = False, True
+            await proxy.proxy.refresh_discovery()
+            assert group.endpoints == []
+            assert (await proxy.request("GET", "/readyz")).json()["reason"] == \
+                "no decode address resolved"
 
 
 async def test_dns_names_are_re_resolved_every_refresh_period():
