@@ -149,7 +149,7 @@ def load_config(argv: Sequence[str] | None = None, environ: Mapping[str, str] | 
         except ValueError as exc:
             raise ConfigError(f"{source}: {exc}", source) from None
     values["demo"] = bool(args.demo)
-    _check_keys(values)
+    _check_keys(values, setting_name(args))
     return Config(**values), args
 
 
@@ -165,7 +165,7 @@ def setting_name(args: argparse.Namespace | None = None) -> Callable[[str], str]
     return name
 
 
-def _check_keys(values: dict[str, Any]) -> None:
+def _check_keys(values: dict[str, Any], name: Callable[[str], str]) -> None:
     """Key settings that contradict each other, or a key file unusable at start."""
     pairs = (("backend_api_key", "backend_api_key_file"),
              ("client_api_keys", "client_api_keys_file"),
@@ -182,4 +182,4 @@ def _check_keys(values: dict[str, Any]) -> None:
             try:
                 read_keys(values[field], many)
             except ValueError as exc:
-                raise ConfigError(f"{named[field].env}: {exc}", named[field].env) from None
+                raise ConfigError(f"{name(field)}: {exc}", name(field)) from None

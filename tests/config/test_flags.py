@@ -91,6 +91,8 @@ def test_a_misspelt_flag_is_named_without_its_value():
 
 
 def test_start_checks_name_the_flags_given():
+    [line] = _refused(["--client-api-keys-file", "/"])
+    assert line.startswith("lowproxy: --client-api-keys-file:") and "PD_PROXY_" not in line
     port = str(free_port())
     [line] = _refused(["--port", port, "--metrics-port", port])
     assert "--metrics-port" in line and "(--port)" in line and "PD_PROXY_" not in line
