@@ -160,7 +160,10 @@ async def serve(config: Config, listeners: Listeners, ready: asyncio.Future[int]
     proxy.draining = True  # /readyz answers 503 from here on
     for task in background:
         task.cancel()
-    await server.drain(config.drain_seconds)
+    cut = await server.drain(config.drain_seconds)
+    if cut:
+        log.warning("drain deadline (%gs, PD_PROXY_DRAIN_SECONDS) cut %d request(s) still "
+                    "in flight", config.drain_seconds, cut)
     if metrics_server is not None:
         await metrics_server.drain(0)
     await proxy.close(grace=1.0)

@@ -206,13 +206,14 @@ class HttpServer:
         for sock in self._tls_sockets:
             sock.close()
 
-    async def drain(self, seconds: float) -> None:
+    async def drain(self, seconds: float) -> int:
         """Stop accepting; let requests in flight finish for ``seconds``; close the rest.
 
         Idle keep-alive connections stay open while requests are in flight, so a
         client (or a probe) on one can still be told we are draining: every
         response now carries ``connection: close``, and the handler may refuse
         new work. Once nothing is in flight, or at the deadline, all close.
+        Returns how many requests the deadline cut.
         """
         self.draining = True
         self.stop_accepting()
@@ -220,8 +221,10 @@ class HttpServer:
         deadline = loop.time() + seconds
         while any(c.busy for c in self.connections) and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        cut = 0
         for connection in list(self.connections):
             if connection.busy:
+                cut += 1
                 connection.abort()
             else:
                 connection.close()
@@ -235,6 +238,7 @@ class HttpServer:
                 await asyncio.wait_for(server.wait_closed(), 1.0)
             except asyncio.TimeoutError:  # pragma: no cover
                 pass
+        return cut
 
 
 async def _bound_socket(host: str | None, port: int, reuse_port: bool) -> socket.socket:

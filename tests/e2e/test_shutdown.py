@@ -159,3 +159,6 @@ async def test_drain_deadline_cuts_what_is_still_running_and_exits_0():
         assert await asyncio.to_thread(daemon.proc.wait, 15) == 0
         reply = await rest_of(stream)
         assert b"data: " in reply.body and not reply.complete  # cut
+        # and said: "drained" alone hid that the deadline cut a stream
+        assert "drain deadline (0.5s, PD_PROXY_DRAIN_SECONDS) cut 1 request(s)" \
+            in daemon.output(), daemon.output()
