@@ -116,9 +116,7 @@ class DemoBackend:
         self.bootstrap_up = True
         self.open_streams = 0
         self.aborted_streams = 0
-        # Generation requests whose caller hung up before the answer ended (vLLM
-        # aborts such a request): how tests see that the proxy closed a leg.
-        self.abandoned = 0
+        self.abandoned = 0  # callers that hung up before the answer ended (vLLM aborts)
         # What the strict rules saw, for tests to assert.
         self.kv_copies: list[int] = []      # per prefill leg: engine requests (n x prompts)
         self.kv_dropped: list[str] = []     # transfers freed because prefill stopped
@@ -134,6 +132,7 @@ class DemoBackend:
         self.server = HttpServer(self.handle)
         self.bootstrap_server = HttpServer(self.handle_bootstrap)
         self.port = 0
+        self.host = "127.0.0.1"  # advertised (URL, KV side channel): never a wildcard
         self.bootstrap_port = 0
 
     # -- life cycle
@@ -142,6 +141,7 @@ class DemoBackend:
                     bootstrap_port: int | None = 0) -> DemoBackend:
         await self.server.listen(host, port)
         self.port = self.server.ports[0]
+        self.host = host if host not in ("", "0.0.0.0", "::") else "127.0.0.1"
         if bootstrap_port is not None:
             await self.bootstrap_server.listen(host, bootstrap_port)
             self.bootstrap_port = self.bootstrap_server.ports[0]
@@ -149,7 +149,7 @@ class DemoBackend:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{f'[{self.host}]' if ':' in self.host else self.host}:{self.port}"
 
     @property
     def side_port(self) -> int:
@@ -190,7 +190,7 @@ class DemoBackend:
             return
         self.bootstrap_queries += 1
         answer_map = {rank: {"engine_id": engine_id,
-                             "worker_addr": {"0": {"0": f"tcp://127.0.0.1:{40000 + int(rank)}"}}}
+                             "worker_addr": {"0": {"0": f"tcp://{self.host}:{40000 + int(rank)}"}}}
                       for rank, engine_id in self.engine_ids.items()}
         await responder.send_json(200, answer_map)
 

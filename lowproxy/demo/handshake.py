@@ -91,7 +91,7 @@ def prefill_kv(backend: DemoBackend, parsed: Parsed, kv: dict[str, Any], engine_
             return None
         backend.registry.computed(f"req-{request_id}", engine_id)
         return {"do_remote_prefill": True, "do_remote_decode": False,
-                "remote_host": "127.0.0.1", "remote_port": backend.side_port}
+                "remote_host": backend.host, "remote_port": backend.side_port}
     remote_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
     backend.registry.computed(remote_id, engine_id)  # NIXL keeps it, stopped or not
     blocks: list[Any] = [1, 2, 3]
@@ -99,7 +99,7 @@ def prefill_kv(backend: DemoBackend, parsed: Parsed, kv: dict[str, Any], engine_
         blocks = [blocks]
     return {"do_remote_prefill": True, "do_remote_decode": False,
             "remote_block_ids": blocks, "remote_engine_id": engine_id,
-            "remote_request_id": remote_id, "remote_host": "127.0.0.1",
+            "remote_request_id": remote_id, "remote_host": backend.host,
             "remote_port": backend.side_port, "tp_size": 1,
             "remote_registration_generation": 0, "remote_prefill_cached_tokens": cached}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import re
 import signal
@@ -113,3 +114,34 @@ def test_the_demo_backends_stop_on_a_signal_even_with_sigint_ignored_at_start(nu
             demo.wait()
         if demo.stdout is not None:
             demo.stdout.close()
+
+
+async def test_a_demo_backend_advertises_the_address_it_listens_on():
+    """Its URL and the KV side channel it names to decode (remote_host) were always
+    127.0.0.1: a decode in another process on another address could not pull. A
+    wildcard is no address to give, so it stays loopback there."""
+    from lowproxy.demo import DemoBackend
+
+    for host, advertised in (("127.0.0.2", "127.0.0.2"), ("0.0.0.0", "127.0.0.1")):
+        backend = DemoBackend("prefill")
+        try:
+            await backend.start(host, 0)
+        except OSError:
+            pytest.skip("no 127.0.0.2 on this machine")
+        try:
+            assert backend.url == f"http://{advertised}:{backend.port}"
+
+            def post(advertised: str = advertised, port: int = backend.port) -> dict:
+                connection = http.client.HTTPConnection(advertised, port, timeout=10)
+                try:
+                    connection.request("POST", "/v1/completions", json.dumps({
+                        "model": "demo-model", "prompt": "p", "max_tokens": 1,
+                        "kv_transfer_params": {"do_remote_decode": True}}),
+                        {"content-type": "application/json"})
+                    return json.loads(connection.getresponse().read())
+                finally:
+                    connection.close()
+            answer = await asyncio.to_thread(post)
+            assert answer["kv_transfer_params"]["remote_host"] == advertised
+        finally:
+            await backend.close()
