@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..lax_types import as_bool, as_int
 from .kv import EOS_TOKEN_ID, OUTPUT_TOKEN_BASE, prompt_ids, render_messages, tokenize
 
 NATURAL_TOKENS = 16
@@ -123,12 +124,25 @@ def _stop_string(ids: list[int], pieces: list[str], stops: tuple[str, ...]) -> O
 
 
 def _int(body: dict[str, Any], key: str) -> int | None:
+    """An integer field as vLLM's pydantic reads it (lax: "3" and 3.0 are 3)."""
     value = body.get(key)
     if value is None:
         return None
-    if not isinstance(value, int) or isinstance(value, bool):
+    number = as_int(value)
+    if number is None:
         raise Problem(400, f"{key} must be an integer", key)
-    return value
+    return number
+
+
+def _stream(body: dict[str, Any]) -> bool:
+    """``stream`` as pydantic's lax bool reads it ("false" is false)."""
+    value = body.get("stream")
+    if value is None:
+        return False
+    flag = as_bool(value)
+    if flag is None:
+        raise Problem(400, "stream must be a boolean", "stream")
+    return flag
 
 
 def _stops(value: Any) -> tuple[str, ...]:
@@ -219,7 +233,7 @@ def parse(route: str, body: dict[str, Any], sglang: bool = False) -> Parsed:
 
 
 def _parse(route: str, body: dict[str, Any], sglang: bool = False) -> Parsed:
-    stream = bool(body.get("stream"))
+    stream = _stream(body)
     if route in (CHAT, COMPLETIONS):
         if not sglang:
             _openai_checks(body)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._types import KV, Body
+from ..lax_types import is_true
 from . import strict_json
 from .strict_json import MAX_DEPTH
 
@@ -108,5 +109,8 @@ without_client_kv = without_proxy_owned
 
 
 def wants_stream(body: Body) -> bool:
-    # Truthiness, as the GCO proxy judged it (vLLM's pydantic also takes 1 for true).
-    return bool(body.get("stream"))
+    """Whether decode will stream: ``stream`` as vLLM's pydantic reads it (lax bool:
+    true, 1, "true", "yes", "on"...). The GCO proxy's truthiness labelled the JSON
+    answer to ``"stream": "false"`` an event stream; values pydantic refuses are
+    400 before this (request_models.py)."""
+    return is_true(body.get("stream"))

@@ -23,8 +23,8 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .._types import Body
+from ..lax_types import as_int, is_bool, is_int, is_int_list, is_str_list
 from ..routes import CHAT, COMPLETIONS, GENERATE, MESSAGES, RESPONSES
-from .lax_types import as_int, is_bool, is_int, is_int_list, is_str_list
 
 
 class FieldType:
@@ -93,11 +93,11 @@ FIELD_TYPES: dict[str, dict[str, FieldType]] = {
     COMPLETIONS: {**_SHARED, "n": INT, "logprobs": LOGPROBS_COUNT,
                   "logprob_token_ids": OPTIONAL_INT_LIST},
     RESPONSES: {"max_output_tokens": OPTIONAL_INT, "store": OPTIONAL_BOOL,
-                "stream": OPTIONAL_BOOL, "ignore_eos": BOOL, "stop": STOP},
+                "stream": OPTIONAL_BOOL, "ignore_eos": BOOL, "stop": STOP,
+                "top_logprobs": LOGPROBS_COUNT},
     MESSAGES: {"max_tokens": INT, "stream": OPTIONAL_BOOL, "stop_sequences": OPTIONAL_STR_LIST},
-    # GenerateRequest: only the top level. What its prefill leg cleans off inside
-    # sampling_params, vLLM's SamplingParams validates by rules of its own
-    # (msgspec, and _verify_args inside the model), not mirrored here.
+    # GenerateRequest: the top level by type; inside sampling_params, vLLM's
+    # SamplingParams (msgspec) checks values in _verify_args: _sampling_rules.
     GENERATE: {"stream": OPTIONAL_BOOL},
 }
 
@@ -130,6 +130,9 @@ def _value_rules(body: Body, surface: str) -> tuple[str, str] | None:
         if (as_int(body["max_tokens"]) or 0) <= 0:  # a field_validator of its own
             return "max_tokens", "max_tokens must be positive"
         return None
+    if surface == GENERATE:
+        sampling = body.get("sampling_params")
+        return _sampling_rules(sampling) if type(sampling) is dict else None
     if (refused := _logprob_token_ids(body, surface)) is not None:
         return "logprob_token_ids", refused
     if surface == CHAT:
@@ -143,6 +146,36 @@ def _value_rules(body: Body, surface: str) -> tuple[str, str] | None:
     elif surface == COMPLETIONS and _negative(body.get("logprobs")):
         return "logprobs", "`logprobs` must be a positive value or -1."
     return None
+
+
+def _sampling_rules(params: Body) -> tuple[str, str] | None:
+    """SamplingParams._verify_args on what the generate prefill leg sets or drops
+    (max_tokens, n, min_tokens, logprobs, stop), in its words; plain values only
+    (what msgspec makes of others is its own)."""
+    cap: Any = params.get("max_tokens")
+    least: Any = params.get("min_tokens")
+    n: Any = params.get("n")
+    logprobs: Any = params.get("logprobs")
+    if _is_int(n) and n < 1:
+        return "n", f"n must be at least 1, got {n}."
+    if _is_int(cap) and cap < 1:
+        return "max_tokens", f"max_tokens must be at least 1, got {cap}."
+    if _is_int(least):
+        if least < 0:
+            return "min_tokens", f"min_tokens must be greater than or equal to 0, got {least}."
+        if _is_int(cap) and least > cap:
+            return "min_tokens", (f"min_tokens must be less than or equal to "
+                                  f"max_tokens={cap}, got {least}.")
+    if _is_int(logprobs) and logprobs < 0 and logprobs != -1:
+        return "logprobs", f"logprobs must be non-negative, got {logprobs}."
+    stop = params.get("stop")
+    if stop == "" or (type(stop) is list and "" in stop):
+        return "stop", "stop cannot contain an empty string."
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return type(value) is int
 
 
 def _logprob_token_ids(body: Body, surface: str) -> str | None:

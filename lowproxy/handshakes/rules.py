@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._types import Body
+from ..lax_types import is_true
 from ..routes import CHAT, COMPLETIONS, GENERATE, RESPONSES
 
 # The fields the prefill leg drops, and why (the README's table is this one).
@@ -34,6 +35,7 @@ PREFILL_DROPPED: dict[str, str] = {
 RESPONSES_PREFILL_DROPPED: dict[str, str] = {
     "stop_token_ids": PREFILL_DROPPED["stop_token_ids"],
     "stop": PREFILL_DROPPED["stop"],
+    "top_logprobs": PREFILL_DROPPED["top_logprobs"],
 }
 # The Anthropic Messages API: vLLM drops unknown fields there, so ignore_eos
 # cannot be sent (under Mooncake an EOS first token still frees the KV).
@@ -109,16 +111,21 @@ def cannot_hand_off(surface: str, body: Body) -> str | None:
     if surface == GENERATE:
         # sampling_params is required: decode answers the client's mistake itself,
         # and no prefill leg is invented for it.
-        return None if isinstance(body.get("sampling_params"), dict) else NO_SAMPLING_PARAMS
+        sampling = body.get("sampling_params")
+        if not isinstance(sampling, dict):
+            return NO_SAMPLING_PARAMS
+        # Prompt logprobs make decode recompute the prompt, as at the top level.
+        return PROMPT_LOGPROBS if sampling.get("prompt_logprobs") is not None else None
     if surface not in (CHAT, COMPLETIONS):
         return None
     if surface == COMPLETIONS and _several_prompts(body.get("prompt")):
         # vLLM answers kv_transfer_params for prompt 0 only and gives every
         # sub-request the same params (Mooncake: one transfer_id for all).
         return LIST_PROMPTS
-    if body.get("use_beam_search") is True:
+    # As vLLM's pydantic reads them: "true", 1, "yes"... are True there too.
+    if is_true(body.get("use_beam_search")):
         return BEAM_SEARCH  # beam search drops kv_transfer_params entirely
-    if body.get("echo") is True:
+    if is_true(body.get("echo")):
         return ECHO  # decode skips prefix-cache reads and recomputes the prompt
     if body.get("prompt_logprobs") is not None:
         return PROMPT_LOGPROBS  # likewise

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowproxy.handshakes.lax_types import as_bool, as_int, is_int_list, is_str_list
+from lowproxy.lax_types import as_bool, as_int, is_int_list, is_str_list
 
 pydantic = pytest.importorskip(
     "pydantic", reason="pydantic comes with the openai client of the test extra")

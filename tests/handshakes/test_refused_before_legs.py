@@ -151,3 +151,71 @@ async def test_generate_stream_decode_refuses_reaches_no_backend():
     async with pd_setup("mooncake") as (proxy, prefill, decode):
         await _refused_before_legs(proxy, prefill, decode, "/inference/v1/generate", body,
                                    "stream")
+
+
+# -- session 38's PROTOCOL.md audit
+
+GENERATE = "/inference/v1/generate"
+
+
+def _generate(**sampling):
+    return {"model": "demo-model", "token_ids": [1, 2, 3],
+            "sampling_params": {"max_tokens": 3, **sampling}}
+
+
+@pytest.mark.parametrize("sampling, param", [
+    ({"max_tokens": 3, "min_tokens": 5}, "min_tokens"),  # the prefill leg drops min_tokens
+    ({"min_tokens": -1}, "min_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),  # the prefill leg sets 1
+    ({"n": 0}, "n"),
+    ({"logprobs": -2}, "logprobs"),
+    ({"stop": ["\n", ""]}, "stop"),
+])
+async def test_generate_sampling_values_decode_refuses_reach_no_backend(sampling, param):
+    """SamplingParams._verify_args refuses these on decode; the prefill leg sets or
+    drops each field, so prefill accepted them and computed a KV nobody read."""
+    async with pd_setup("mooncake") as (proxy, prefill, decode):
+        prefill.scale_out = decode.scale_out = True  # --enable-scale-out
+        await _refused_before_legs(proxy, prefill, decode, GENERATE, _generate(**sampling),
+                                   param)
+
+
+async def test_generate_with_prompt_logprobs_goes_to_decode_alone():
+    async with pd_setup("mooncake") as (proxy, prefill, decode):
+        prefill.scale_out = decode.scale_out = True
+        reply = await proxy.request("POST", GENERATE, _generate(prompt_logprobs=1))
+        assert reply.status == 200, reply.body
+        assert prefill.requests_to(GENERATE) == [] and len(decode.requests_to(GENERATE)) == 1
+        assert "kv_transfer_params" not in decode.requests_to(GENERATE)[0].body
+
+
+@pytest.mark.parametrize("field", ["echo", "use_beam_search"])
+@pytest.mark.parametrize("value", ["true", 1, "yes", "on"])
+async def test_echo_and_beam_search_true_as_pydantic_reads_go_to_decode_alone(field, value):
+    """vLLM reads "true", 1, "yes" as true: decode recomputes (echo) or drops the params
+    (beam search), so a prefill leg's KV would go unread."""
+    async with pd_setup("mooncake") as (proxy, prefill, decode):
+        await proxy.request("POST", COMPLETIONS, _completion(**{field: value}))
+        assert prefill.requests_to(COMPLETIONS) == []
+        assert "kv_transfer_params" not in decode.requests_to(COMPLETIONS)[0].body
+
+
+@pytest.mark.parametrize("value", ["false", "no", 0, "off"])
+async def test_stream_false_as_pydantic_reads_is_answered_as_json(value):
+    """vLLM answers "stream": "false" with JSON; the GCO proxy's truthiness labelled
+    it text/event-stream, which a client then cannot read."""
+    async with pd_setup("mooncake") as (proxy, prefill, decode):
+        reply = await proxy.request("POST", CHAT, chat(stream=value))
+        assert reply.status == 200, reply.body
+        assert reply.header("content-type").startswith(b"application/json")
+        reply.json()
+
+
+async def test_responses_prefill_leg_drops_top_logprobs():
+    body = {"model": "demo-model", "input": "hi", "max_output_tokens": 4, "top_logprobs": 3}
+    async with pd_setup("mooncake") as (proxy, prefill, decode):
+        reply = await proxy.request("POST", RESPONSES, body)
+        assert reply.status == 200, reply.body
+        [pf] = prefill.requests_to(RESPONSES)
+        assert "top_logprobs" not in pf.body
+        assert decode.requests_to(RESPONSES)[0].body["top_logprobs"] == 3

@@ -210,8 +210,8 @@ def test_a_long_list_is_walked_only_when_short_enough():
     """Plain ints are told at C speed however many; numeric strings (which vLLM takes)
     are walked one by one only up to MAX_LAX_ITEMS: a 32 MiB body of them held the
     event loop for seconds. Past it such a list is refused, naming the field."""
-    from lowproxy.handshakes.lax_types import MAX_LAX_ITEMS
     from lowproxy.handshakes.request_models import refused_field
+    from lowproxy.lax_types import MAX_LAX_ITEMS
     chat_body = {"messages": [{"role": "user", "content": "hi"}]}
     assert refused_field({**chat_body, "stop_token_ids": list(range(10 * MAX_LAX_ITEMS))},
                          "chat") is None

@@ -119,6 +119,12 @@ def as_bool(value: Any) -> bool | None:
     return None
 
 
+def is_true(value: Any) -> bool:
+    """Whether pydantic's lax ``bool`` makes True of ``value`` ("true", 1, "yes"...)."""
+    return value is True or (value is not None and value is not False
+                             and as_bool(value) is True)
+
+
 def is_int(value: Any) -> bool:
     return as_int(value) is not None
 
