@@ -339,7 +339,7 @@ class DemoBackend:
                 result = await self._run(request, parsed, body)
             except Problem as problem:
                 await send_error(responder, problem.status, problem.message, problem.kind,
-                                  problem.param, route)
+                                  problem.param, route, problem.in_stream and parsed.stream)
                 return
             except EngineDead:
                 await send_error(responder, 500, DEAD_MESSAGE, "EngineDeadError")

@@ -41,9 +41,12 @@ class Problem(Exception):
     """A request vLLM refuses: status, message and the field to blame."""
 
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "BadRequestError") -> None:
+                 kind: str = "BadRequestError", in_stream: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        # Raised by the engine once a stream has begun (vLLM 0.30+'s Mooncake KV
+        # timeout): a streamed request gets 200, an error event, then [DONE].
+        self.in_stream = in_stream
 
 
 @dataclass

@@ -158,7 +158,8 @@ async def _pull_mooncake(backend: DemoBackend, kv: dict[str, Any]) -> None:
         engine = await wait_kv(backend, str(kv["transfer_id"]), str(kv["remote_bootstrap_addr"]),
                                backend.kv_wait_timeout)
     except asyncio.TimeoutError:
-        raise Problem(500, "KV transfer timed out", None, "InternalServerError") from None
+        raise Problem(500, "KV transfer timed out", None, "InternalServerError",
+                      in_stream=True) from None
     if engine != kv["remote_engine_id"]:
         raise Problem(500, f"KV for {kv['transfer_id']} is on engine {engine}, not "
                       f"{kv['remote_engine_id']}", None, "InternalServerError")

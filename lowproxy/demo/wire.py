@@ -58,9 +58,18 @@ class Inflight:
 
 
 async def send_error(responder: Responder, status: int, message: str, kind: str,
-                     param: str | None = None, route: str = "") -> None:
+                     param: str | None = None, route: str = "", streamed: bool = False) -> None:
     """vLLM's error shape (``{"error": {message, type, param, code}}``); the
-    Anthropic endpoint answers in Anthropic's (``{"type": "error", "error": ...}``)."""
+    Anthropic endpoint answers in Anthropic's (``{"type": "error", "error": ...}``).
+    ``streamed``: failing a stream vLLM 0.30+ has begun: 200, the error as an
+    event, then [DONE]."""
+    if streamed:
+        await responder.start(200, [(b"content-type", b"text/event-stream; charset=utf-8")])
+        await responder.write(b"data: " + json_body({"error": {
+            "message": message, "type": kind, "param": param, "code": status}}) + b"\n\n"
+            b"data: [DONE]\n\n")
+        await responder.end()
+        return
     if route == MESSAGES:
         kind = {404: "not_found_error", 400: "invalid_request_error"}.get(status, "api_error")
         await responder.send_json(status, {"type": "error", "error": {

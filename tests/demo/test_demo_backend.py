@@ -107,6 +107,21 @@ async def test_mooncake_prefill_that_stops_drops_its_kv(stopper):
         assert error_of(second)["message"] == "KV transfer timed out"
 
 
+async def test_a_streamed_mooncake_decode_whose_kv_never_comes_fails_in_its_stream():
+    """vLLM 0.30+ (PROTOCOL.md): non-streaming 500; streaming, 200 then an error event
+    and [DONE]. The demo answered a streamed request 500 as well."""
+    async with pair(kv_wait_timeout=0.3) as (prefill, decode):
+        prefill.eos_first = 1.0  # the prefill stops: Mooncake frees its KV
+        _, second = await mooncake_legs(prefill, decode, chat_body(max_tokens=1),
+                                        chat_body(stream=True))
+        assert second.status == 200
+        assert second.header("content-type").startswith(b"text/event-stream")
+        events = [line for line in second.body.split(b"\n\n") if line]
+        assert json.loads(events[0].removeprefix(b"data: "))["error"]["message"] == \
+            "KV transfer timed out"
+        assert events[-1] == b"data: [DONE]"
+
+
 async def test_mooncake_prefill_capped_by_length_keeps_its_kv():
     async with pair(eos_first=1.0) as (prefill, decode):
         first, second = await mooncake_legs(prefill, decode,
