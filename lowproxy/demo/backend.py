@@ -34,6 +34,7 @@ from ..downstream.server import HttpServer
 from .answers import Result, answer, responses_object, stream
 from .engine import (
     CHAT,
+    COMPLETIONS,
     EMBEDDINGS,
     GENERATE,
     MAX_SEQUENCES,
@@ -66,7 +67,7 @@ from .wire import DEAD_MESSAGE, Faults, Inflight, Received, answer_aborted, send
 __all__ = ["DemoBackend", "Faults", "KvRegistry", "MODEL", "Received", "start_pair"]
 
 MODEL = "demo-model"
-
+ORCA_ROUTES = (CHAT, COMPLETIONS)  # vLLM 0.33 reports load on their answers only
 
 class DemoBackend:
     def __init__(self, role: str = "decode", *, ranks: int = 1,
@@ -117,7 +118,6 @@ class DemoBackend:
         self.open_streams = 0
         self.aborted_streams = 0
         self.abandoned = 0  # callers that hung up before the answer ended (vLLM aborts)
-        # What the strict rules saw, for tests to assert.
         self.kv_copies: list[int] = []      # per prefill leg: engine requests (n x prompts)
         self.kv_dropped: list[str] = []     # transfers freed because prefill stopped
         self.kv_pulls: list[dict[str, Any]] = []  # decode pulls (always prompt 0)
@@ -344,8 +344,8 @@ class DemoBackend:
             except EngineDead:
                 await send_error(responder, 500, DEAD_MESSAGE, "EngineDeadError")
                 return
-            orca = [] if result.parsed.stream else self.load.orca_header(
-                request.header(b"endpoint-load-metrics-format"))
+            orca = self.load.orca_header(request.header(b"endpoint-load-metrics-format")) \
+                if not result.parsed.stream and route in ORCA_ROUTES else []
             await self._send(responder, result, orca)
         finally:
             self.load.in_flight -= 1

@@ -704,6 +704,14 @@ async def test_metrics_and_orca_report_the_engine_load():
         assert seen["vllm:num_requests_waiting"] == 0 and seen["vllm:num_requests_running"] == 0
         assert seen["vllm:prefix_cache_queries_total"] == 3 * HELLO_TOKENS
         assert seen["vllm:prefix_cache_hits_total"] == 2 * (HELLO_TOKENS - 1)
+        # vLLM 0.33 reports on chat and completions answers only.
+        ask = [("endpoint-load-metrics-format", "TEXT")]
+        for path, body in (("/v1/responses", {"model": "demo-model", "input": "hi",
+                                              "max_output_tokens": 2}),
+                           ("/v1/messages", {"model": "demo-model", "max_tokens": 2,
+                                             "messages": [{"role": "user", "content": "hi"}]})):
+            other = await request(decode.port, "POST", path, body, headers=ask)
+            assert other.status == 200 and other.header("endpoint-load-metrics") is None
         assert "vllm:kv_cache_usage_perc" in seen
 
 
