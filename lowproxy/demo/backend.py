@@ -1,12 +1,10 @@
 """An emulated vLLM OpenAI server (and SGLang PD server): prefill, decode and
 Mooncake bootstrap in one.
 
-It serves ``--demo`` (a newcomer's first curl works with no GPU), the test
-suite and bench/load.py. It is strict where vLLM 0.33 is strict, so tests catch
-a proxy that shapes legs wrongly; see engine.py (what is accepted, what is
-generated), handshake.py (what a prefill keeps and a decode pulls),
-answers.py (the shapes of the answers) and kv.py (tokens, prefix cache, the
-emulated KV transfer).
+It serves ``--demo`` (a first curl works with no GPU), the tests and bench/load.py,
+strict where vLLM 0.33 is strict, so tests catch a proxy that shapes legs wrongly;
+see engine.py (what is accepted, what is generated), handshake.py (what a prefill
+keeps and a decode pulls), answers.py (answers) and kv.py (tokens, prefix cache).
 
 Routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses``,
 ``/v1/messages``, ``/inference/v1/generate`` (with ``scale_out`` only, else
@@ -31,6 +29,7 @@ from ..answers import json_body
 from ..downstream.messages import AbortResponse, ClientRequest
 from ..downstream.messages import ResponseWriter as Responder
 from ..downstream.server import HttpServer
+from ..lax_types import is_true
 from .answers import Result, answer, responses_object, stream
 from .engine import (
     CHAT,
@@ -365,7 +364,8 @@ class DemoBackend:
     async def _run(self, request: ClientRequest, parsed: Parsed, body: dict[str, Any]) -> Result:
         """Compute (or pull) the prompt, generate, and account for the KV."""
         kv = body.get("kv_transfer_params")
-        kv = kv if isinstance(kv, dict) else {}
+        # Beam search drops kv_transfer_params entirely (vLLM 0.33): no pull, no hand-off.
+        kv = kv if isinstance(kv, dict) and not is_true(body.get("use_beam_search")) else {}
         rank = (request.header(b"x-data-parallel-rank") or b"0").decode()
         request_id = (request.header(b"x-request-id") or uuid.uuid4().hex.encode()).decode(
             "latin-1")

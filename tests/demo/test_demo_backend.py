@@ -736,3 +736,17 @@ async def test_the_next_turn_hits_the_answer_the_decode_generated():
         # Everything up to the new user turn was cached: the prompt and the answer.
         assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == \
             second["usage"]["prompt_tokens"] - 3
+
+
+async def test_beam_search_drops_the_kv_transfer_params():
+    """vLLM 0.33's beam search drops kv_transfer_params entirely: a decode leg asking
+    for KV computes the prompt itself (no pull), a prefill leg hands nothing off."""
+    async with pair() as (prefill, decode):
+        first = await request(prefill.port, "POST", CHAT, {
+            **chat_body(max_tokens=1), "use_beam_search": "true",
+            "kv_transfer_params": PREFILL_KV})
+        assert first.status == 200 and first.json().get("kv_transfer_params") is None
+        second = await request(decode.port, "POST", CHAT, {
+            **chat_body(), "use_beam_search": True,
+            "kv_transfer_params": mooncake_kv(prefill, "xfer-9")})
+        assert second.status == 200 and decode.kv_pulls == []
