@@ -76,7 +76,7 @@ class DemoBackend:
                  api_key: str | None = None, served_model_names: Sequence[str] | None = None,
                  max_model_len: int = 4096, prompt_tokens_details: bool = False,
                  scale_out: bool = False, relay_connector: str = NIXL,
-                 nested_block_ids: bool = False, eos_first: float = 0.0,
+                 nested_block_ids: bool = True, eos_first: float = 0.0,
                  block_size: int = 16, prefix_cache_blocks: int = 4096,
                  remote_kv: bool = False, seed: int = 0, sglang_pd: bool = False,
                  prefill_us_per_token: float = 0.0) -> None:

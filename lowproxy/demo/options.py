@@ -48,8 +48,12 @@ def parser(kind: type[argparse.ArgumentParser] = argparse.ArgumentParser
                    help="what the relay (prefill-then-decode) handshake emulates: NIXL, or "
                         "vLLM 0.13-0.15's Mooncake connector (remote_host/remote_port, "
                         "no block ids)")
-    p.add_argument("--nested-block-ids", action="store_true",
-                   help="NIXL remote_block_ids as one list per KV-cache group (vLLM 0.33)")
+    p.add_argument("--flat-block-ids", dest="nested_block_ids", action="store_false",
+                   help="NIXL remote_block_ids as one flat list, as before vLLM 0.33 (0.33 "
+                   "sends one list per KV-cache group, the default; --nested-block-ids "
+                   "is that default)")
+    p.add_argument("--nested-block-ids", dest="nested_block_ids", action="store_true",
+                   default=True, help=argparse.SUPPRESS)
     p.add_argument("--api-key", default=None,
                    help="as vLLM's --api-key: /v1/... answers 401 without "
                         "'Authorization: Bearer <key>'")

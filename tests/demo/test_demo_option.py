@@ -145,3 +145,11 @@ async def test_a_demo_backend_advertises_the_address_it_listens_on():
             assert answer["kv_transfer_params"]["remote_host"] == advertised
         finally:
             await backend.close()
+
+
+def test_nixl_block_ids_are_nested_as_vllm_0_33_sends_them_unless_flat_is_asked():
+    from lowproxy.demo.options import pair_options
+
+    assert pair_options([])["nested_block_ids"] is True
+    assert pair_options(["--nested-block-ids"])["nested_block_ids"] is True
+    assert pair_options(["--flat-block-ids"])["nested_block_ids"] is False

@@ -22,7 +22,7 @@ async def test_relay_prefill_then_decode_with_kv_relayed():
                                                  "do_remote_prefill": False}
         kv = dc.body["kv_transfer_params"]
         assert kv["do_remote_prefill"] is True and kv["do_remote_decode"] is False
-        assert kv["remote_block_ids"] == [1, 2, 3] and "remote_host" in kv
+        assert kv["remote_block_ids"] == [[1, 2, 3]] and "remote_host" in kv
         assert kv["remote_host"] == "127.0.0.1"
         assert dc.body["stream_options"] == {"include_usage": True}
         assert dc.body["min_tokens"] == 2 and dc.body["max_completion_tokens"] == 5

@@ -68,7 +68,7 @@ async def test_verified_https_both_legs_with_kv_relayed(ca, bundle):
             assert reply.status == 200 and reply.body.endswith(b"data: [DONE]\n\n")
             [pf], [dc] = prefill.received, decode.received
             assert pf.body["kv_transfer_params"]["do_remote_decode"] is True
-            assert dc.body["kv_transfer_params"]["remote_block_ids"] == [1, 2, 3]
+            assert dc.body["kv_transfer_params"]["remote_block_ids"] == [[1, 2, 3]]
             assert dc.header("host") == f"localhost:{decode.port}".encode()
             assert (await proxy.request("GET", "/v1/models")).status == 200
     finally:
