@@ -348,6 +348,8 @@ class Dispatcher:
                 tried += (endpoint,)
                 continue
             endpoint.cooldown_until = 0.0  # it answered: usable again (and ready)
+            if response.status < 500:
+                endpoint.answered_at = time.monotonic()  # serving, whatever its checks say
             return response
 
     def _preferred_decode(self, exchange: Exchange,

@@ -32,6 +32,8 @@ from ..upstream.pool import Resolver, Upstream
 log = logging.getLogger("lowproxy.backends")
 
 COOLDOWN_SECONDS = 2.0
+# A decode that answered a request this recently is serving, whatever its checks say.
+RECENT_ANSWER_SECONDS = 10.0
 HEADER_TARGETS_KEPT = 256  # pools kept for scheduler-named prefill targets
 
 # One endpoint's models: served name -> max_model_len (None when not reported).
@@ -208,11 +210,18 @@ class BackendGroup:
         return self._healthy_unlisted if self._unlisted else self._healthy
 
     def none_ready(self, model: str | None = None) -> bool:
-        """No healthy endpoint for ``model`` that is not cooling down: every one
-        failed its checks, or refused a connection moments ago."""
+        """No healthy endpoint for ``model`` that is not cooling down (every one
+        failed its checks, or refused a connection moments ago), and none that
+        answered a request lately: under load a busy engine's health check can
+        time out while it serves, and taking that for down would move every
+        prompt onto it (no prefill legs) just when it is busiest."""
         now = time.monotonic()
         for endpoint in self.candidates(model):
             if now >= endpoint.cooldown_until:
+                return False
+        for endpoint in self.serving(model):
+            if now - endpoint.answered_at < RECENT_ANSWER_SECONDS \
+                    and now >= endpoint.cooldown_until:
                 return False
         return True
 

@@ -21,7 +21,7 @@ class Endpoint:
 
     __slots__ = ("spec", "label", "connect_host", "port", "tls", "server_hostname",
                  "origin", "host_header", "base_path", "idle", "in_flight", "open",
-                 "cooldown_until", "bootstrap_host")
+                 "cooldown_until", "bootstrap_host", "answered_at")
 
     def __init__(self, spec: EndpointSpec, address: str | None = None) -> None:
         self.spec = spec
@@ -42,6 +42,7 @@ class Endpoint:
         self.in_flight = 0
         self.open = 0
         self.cooldown_until = 0.0
+        self.answered_at = 0.0  # monotonic: decode's last answer head below 500
 
     def usable(self, now: float) -> bool:
         return now >= self.cooldown_until

@@ -423,3 +423,39 @@ async def test_no_prefill_leg_while_every_decode_cools_down(kv_protocol):
             metrics = (await running.request("GET", "/metrics")).body.decode()
             assert f'handshake="{kv_protocol}",outcome="skipped",reason="no-healthy-decode"' \
                 in metrics
+
+
+class SlowHealthDecode(DemoBackend):
+    """A decode whose /health stalls (a busy engine's API loop) while it serves."""
+
+    slow = False
+
+    async def handle(self, request: Any, responder: Any) -> None:
+        if self.slow and request.path == "/health":
+            await asyncio.sleep(3)
+        await super().handle(request, responder)
+
+
+async def test_a_decode_out_by_slow_checks_but_serving_keeps_its_prefill_legs():
+    """The no-healthy-decode skip is for a decode nobody reaches. One whose checks time
+    out under load while it answers requests is serving: skipping the prefill legs
+    then would put every prompt on it just when it is busiest (llm-d audit)."""
+    registry = KvRegistry()
+    prefill = await DemoBackend("prefill", registry=registry).start()
+    decode = await SlowHealthDecode("decode", registry=registry).start(bootstrap_port=None)
+    try:
+        config = config_for(prefill.url, decode.url, health_interval=0.2, health_timeout=0.3,
+                            health_failures=1)
+        async with running_proxy(config) as running:
+            await known(running)
+            assert (await running.request("POST", CHAT, conversation(1))).status == 200
+            decode.slow = True
+            await wait_until(lambda: not running.proxy.decode.candidates(None), 5,
+                             "decode out by its checks")
+            reply = await running.request("POST", CHAT, conversation(2))
+            assert reply.status == 200, reply.body
+            assert len(posts(prefill)) == 2  # the prefill leg was still sent
+            assert "kv_transfer_params" in decode.received[-1].body
+    finally:
+        await decode.close()
+        await prefill.close()
