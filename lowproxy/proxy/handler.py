@@ -452,8 +452,11 @@ class Proxy:
         metrics = self.metrics
 
         def connections() -> Iterable[tuple[tuple[str, ...], float]]:
+            # Retired ones too: a removed endpoint's long streams still hold theirs.
             for role, endpoints in (("prefill", self.prefill.endpoints),
+                                    ("prefill", self.prefill.retired),
                                     ("decode", self.decode.endpoints),
+                                    ("decode", self.decode.retired),
                                     ("prefill", self.prefill_choice.named.values())):
                 for endpoint in endpoints:
                     yield (role, endpoint.label, "open"), endpoint.open

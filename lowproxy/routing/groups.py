@@ -263,6 +263,7 @@ class BackendGroup:
         elif endpoint in self._static:
             self._static.remove(endpoint)
         self._rebuild()
+        endpoint.removed = True
         upstream.close_idle(endpoint)
         if endpoint.in_flight or endpoint.open:
             self.retired.append(endpoint)
@@ -376,6 +377,7 @@ class BackendGroup:
                      for address in addresses}
             for address, endpoint in known.items():
                 if address not in fresh:
+                    endpoint.removed = True
                     upstream.close_idle(endpoint)
                     if endpoint.in_flight or endpoint.open:
                         # Its streams finish on their connections, which are then

@@ -190,6 +190,7 @@ class PrefillChooser:
         self.named[key] = endpoint
         while len(self.named) > HEADER_TARGETS_KEPT:
             _, evicted = self.named.popitem(last=False)
+            evicted.removed = True
             self.upstream.close_idle(evicted)
         return endpoint
 

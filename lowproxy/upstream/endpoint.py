@@ -21,7 +21,7 @@ class Endpoint:
 
     __slots__ = ("spec", "label", "connect_host", "port", "tls", "server_hostname",
                  "origin", "host_header", "base_path", "idle", "in_flight", "open",
-                 "cooldown_until", "bootstrap_host", "answered_at")
+                 "cooldown_until", "bootstrap_host", "answered_at", "removed")
 
     def __init__(self, spec: EndpointSpec, address: str | None = None) -> None:
         self.spec = spec
@@ -43,6 +43,10 @@ class Endpoint:
         self.open = 0
         self.cooldown_until = 0.0
         self.answered_at = 0.0  # monotonic: decode's last answer head below 500
+        # No longer in its group (removed, undiscovered, evicted): a request chosen
+        # before that may still finish on it, and its connection is then closed,
+        # not pooled where nothing would ever sweep it.
+        self.removed = False
 
     def usable(self, now: float) -> bool:
         return now >= self.cooldown_until

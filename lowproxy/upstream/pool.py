@@ -384,7 +384,8 @@ class Upstream:
                 # reuses a connection only once its request was written).
                 and (not stream.sent_large or stream.all_sent)
                 and pooled.requests < config.upstream_max_requests
-                and len(endpoint.idle) < MAX_IDLE_PER_ENDPOINT):
+                and len(endpoint.idle) < MAX_IDLE_PER_ENDPOINT
+                and not endpoint.removed):
             now = time.monotonic()
             # ... and nothing came after it. From now on, anything that comes
             # (stray bytes it owes nobody, its keep-alive FIN, a reset) drops

@@ -319,3 +319,37 @@ async def test_listing_shows_an_endpoint_cooling_down():
                 assert (await proxy.request("POST", CHAT, chat())).status == 200
             states = {e["instance"]: e["state"] for e in (await listing(proxy))["decode"]}
             assert states == {dead: "cooling down", live.url: "usable"}
+
+
+async def test_a_leg_sent_after_its_prefill_was_removed_leaves_no_pooled_connection():
+    """A Mooncake request chose its prefill, then waited on the bootstrap query while
+    the prefill was removed: its leg still went there, and the connection was pooled
+    on an endpoint nothing sweeps (open until the backend closed it, in no gauge).
+    A removed endpoint's connection is closed when its request ends (chaos soak)."""
+    prefill, decode = await start_pair()
+    answer_query = prefill.bootstrap_server.handler
+    asked = asyncio.Event()
+
+    async def slow_query(request: Any, responder: Any) -> None:
+        asked.set()
+        await asyncio.sleep(1.0)  # the window between the choice and the leg
+        await answer_query(request, responder)
+
+    prefill.bootstrap_server.handler = slow_query
+    try:
+        config = config_for(f"{prefill.url}#bootstrap_port={prefill.bootstrap_port}",
+                            decode.url, kv_protocol="mooncake", admin_api_key="adm")
+        async with running_proxy(config) as proxy:
+            [chosen] = proxy.proxy.prefill.endpoints
+            pending = asyncio.create_task(proxy.request("POST", CHAT, chat()))
+            await asyncio.wait_for(asked.wait(), 5)  # the request waits on the query now
+            reply = await proxy.request("POST", "/instances/remove",
+                                        {"type": "prefill", "instance": prefill.url},
+                                        headers=ADMIN)
+            assert reply.status == 200
+            assert (await pending).status == 200
+            await wait_until(lambda: chosen.in_flight == 0, 5, "the leg ended")
+            assert chosen.open == 0 and chosen.idle == []  # closed, not pooled
+    finally:
+        await prefill.close()
+        await decode.close()
