@@ -100,7 +100,8 @@ def limits_of(config: Config) -> Limits:
                   header_timeout=config.header_timeout,
                   tls_handshake_timeout=config.tls_handshake_timeout,
                   keepalive_timeout=config.keepalive_timeout,
-                  max_connections=config.max_connections)
+                  max_connections=config.max_connections,
+                  write_timeout=config.client_write_timeout or None)
 
 
 async def serve(config: Config, listeners: Listeners, ready: asyncio.Future[int] | None = None,

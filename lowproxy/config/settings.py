@@ -96,6 +96,7 @@ class Config:
     header_timeout: float = 30.0
     tls_handshake_timeout: float = 10.0
     keepalive_timeout: float = 75.0
+    client_write_timeout: float = 60.0
     max_connections: int = 10000
     drain_seconds: float = 25.0
     metrics_port: int = 0

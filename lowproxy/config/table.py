@@ -310,6 +310,12 @@ SETTINGS: tuple[Setting, ...] = (
         "idle client keep-alive connections are closed after this many seconds",
     ),
     Setting(
+        "client_write_timeout", "PD_PROXY_CLIENT_WRITE_TIMEOUT_SECONDS",
+        "--client-write-timeout", seconds_value, "60",
+        "a client that takes nothing of a full write buffer for this many seconds is taken "
+        "as gone and its decode leg closed (nginx's send_timeout); 0: never",
+    ),
+    Setting(
         "max_connections", "PD_PROXY_MAX_CONNECTIONS", "--max-connections",
         int_in(1, 10**7), "10000", "open client connections (counted from accept, TLS "
         "handshakes included) beyond this get 503, or are closed at once on the HTTPS port",

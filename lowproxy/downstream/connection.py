@@ -95,6 +95,8 @@ class ClientConnection:
         self._watching = False
         self._watch_since = 0.0
         self.transport.set_protocol(HangUpHook(self.transport.get_protocol(), self._hung_up))
+        # Below this the transport never pauses the writer: a drain returns at once.
+        self._low_water = self.transport.get_write_buffer_limits()[0]
         self._head_bytes = 0
         self._head_reads: list[bytes] | None = None  # this cycle's reads until its head
         self._task: asyncio.Task[Any] | None = None
@@ -123,7 +125,20 @@ class ClientConnection:
         if self.transport.is_closing():
             raise ClientGone()
         try:
-            await self.writer.drain()
+            if self.limits.write_timeout and \
+                    self.transport.get_write_buffer_size() > self._low_water:
+                # The drain may wait (the client reads slowly, or not at all):
+                # bounded, so a client that stopped reading lets its decode go.
+                try:
+                    async with deadline(self.limits.write_timeout):
+                        await self.writer.drain()
+                except TimeoutError:
+                    log.info("client took nothing for %gs (PD_PROXY_CLIENT_WRITE_TIMEOUT_"
+                             "SECONDS): taken as gone", self.limits.write_timeout)
+                    self.drop()
+                    raise ClientGone() from None
+            else:
+                await self.writer.drain()
         except (ConnectionError, RuntimeError):
             raise ClientGone() from None
 

@@ -37,6 +37,9 @@ class Limits:
     tls_handshake_timeout: float = 10.0  # from accept to a finished TLS handshake
     keepalive_timeout: float = 75.0
     max_connections: int = 10000
+    # A client that takes nothing of a full write buffer for this long is gone
+    # (nginx's send_timeout): else it holds its decode leg, and the slot, for ever.
+    write_timeout: float | None = 60.0
 
 
 # (status, message, error type[, extra headers]): the arguments of a refusal.

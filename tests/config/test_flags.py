@@ -46,7 +46,7 @@ def test_a_bad_boolean_variable_names_the_variable():
 
 
 def test_metavars_read_as_values():
-    usage = build_parser().format_usage()
+    usage = " ".join(build_parser().format_usage().split())  # as one line, wherever it wraps
     for shown in ("--port PORT", "--prefill URL", "--ca-file FILE", "--prefill-timeout SECONDS",
                   "--workers N", "--trace [BOOL]] [--no-trace]",
                   "--kv-protocol {relay,mooncake,sglang}"):

@@ -371,3 +371,40 @@ async def test_a_client_that_stops_reading_pushes_back_on_decode():
             assert sent == total and received > total
     finally:
         await decode.close()
+
+
+async def test_a_client_that_takes_nothing_for_the_write_timeout_is_gone():
+    """Back-pressure held a client that stopped reading (not closing) with its decode
+    leg, and the decode slot, for ever: after PD_PROXY_CLIENT_WRITE_TIMEOUT_SECONDS
+    without draining a byte of a full buffer it is taken as gone, decode is closed."""
+    piece = b"data: " + b"x" * (64 * 1024 - 8) + b"\n\n"
+    closed = asyncio.Event()
+
+    async def flood(request, responder):
+        await responder.start(200, [(b"content-type", b"text/event-stream")])
+        try:
+            while True:
+                await responder.write(piece)
+        finally:
+            closed.set()  # the proxy closed the decode leg
+
+    decode = await ScriptedBackend(flood).start()
+    try:
+        config = config_for((), decode.url(), client_write_timeout=1.0)
+        async with running_proxy(config) as proxy:
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            client.setblocking(False)
+            await asyncio.get_running_loop().sock_connect(client, ("127.0.0.1", proxy.port))
+            body = b'{"model":"m","prompt":"x","stream":true}'
+            client.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-length: %d\r\n"
+                        b"content-type: application/json\r\n\r\n%s" % (len(body), body))
+            try:
+                await asyncio.wait_for(closed.wait(), 10)
+                await wait_until(lambda: not proxy.server.connections, 5, "client dropped")
+                endpoint = proxy.proxy.decode.endpoints[0]
+                assert endpoint.in_flight == 0
+            finally:
+                client.close()
+    finally:
+        await decode.close()
