@@ -96,7 +96,10 @@ class ClientConnection:
         self._watch_since = 0.0
         self.transport.set_protocol(HangUpHook(self.transport.get_protocol(), self._hung_up))
         # Below this the transport never pauses the writer: a drain returns at once.
-        self._low_water = self.transport.get_write_buffer_limits()[0]
+        try:
+            self._low_water = self.transport.get_write_buffer_limits()[0]
+        except (AttributeError, NotImplementedError):  # a transport without it: bound all
+            self._low_water = 0
         self._head_bytes = 0
         self._head_reads: list[bytes] | None = None  # this cycle's reads until its head
         self._task: asyncio.Task[Any] | None = None
