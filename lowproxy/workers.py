@@ -142,7 +142,8 @@ class Supervisor:
                 self.failed = self.failed or os.waitstatus_to_exitcode(status) != 0
                 continue
             lived = time.monotonic() - slot.started
-            if os.waitstatus_to_exitcode(status) == 2 and slot.lives == 1:
+            if os.waitstatus_to_exitcode(status) == 2 and slot.lives == 1 \
+                    and lived < STABLE_SECONDS:
                 # Status 2 at a worker's first start is a start mistake (its one
                 # line is above): starting it again would only print it again,
                 # for ever. (A restart failing so, a CA file gone meanwhile say,

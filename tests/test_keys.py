@@ -16,6 +16,7 @@ from helpers import (
     ScriptedBackend,
     chat,
     config_for,
+    free_port,
     request,
     running_proxy,
 )
@@ -297,6 +298,17 @@ async def test_client_keys_with_forwarding_forward_the_clients_header():
                                     headers=bearer(CLIENT_KEY))
         assert reply.status == 200
         assert decode.received[0].header("authorization") == f"Bearer {CLIENT_KEY}".encode()
+
+
+async def test_metrics_passed_to_decode_need_no_client_key():
+    """With a metrics port, the main port's /metrics goes to decode; it needs no key,
+    as lowproxy's own /metrics does not (llm-d's scheduler scrapes it keyless)."""
+    async with keyed_setup(client_api_keys=(CLIENT_KEY,), metrics_port=free_port()) as (
+            proxy, prefill, decode):
+        reply = await proxy.request("GET", "/metrics")
+        assert reply.status == 200 and b"vllm:" in reply.body
+        assert decode.received[-1].path == "/metrics"
+        assert (await proxy.request("GET", "/v1/models")).status == 401  # the rest do
 
 
 async def test_forwarding_sends_only_the_authorization_that_was_checked():

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, NoReturn, Sequence
 
@@ -74,16 +75,16 @@ class _Parser(argparse.ArgumentParser):
 def _unrecognized(words: list[str]) -> str:
     """Unrecognized arguments as shown: a misspelt flag's value is not (it may be a
     key: ``--admin-api-kye SECRET``), only the flag."""
-    shown, after_flag = [], False
+    shown = []
     for word in words:
-        if word.startswith("-"):
-            name, equals, _ = word.partition("=")
-            shown.append(name + ("=..." if equals else ""))
-            after_flag = not equals
-        else:
-            shown.append("..." if after_flag else word)
-            after_flag = False
+        name, equals, _ = word.partition("=")
+        # Only what has a long flag's shape is shown; any other word may be a
+        # value (a key can start with "-", or hold spaces argparse split on).
+        shown.append(name + ("=..." if equals else "") if _FLAG.fullmatch(name) else "...")
     return " ".join(shown)
+
+
+_FLAG = re.compile(r"--[A-Za-z0-9][A-Za-z0-9-]*")
 
 
 def _with_hint(message: str, flags: list[str]) -> str:

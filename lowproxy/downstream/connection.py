@@ -130,20 +130,31 @@ class ClientConnection:
         try:
             if self.limits.write_timeout and \
                     self.transport.get_write_buffer_size() > self._low_water:
-                # The drain may wait (the client reads slowly, or not at all):
-                # bounded, so a client that stopped reading lets its decode go.
-                try:
-                    async with deadline(self.limits.write_timeout):
-                        await self.writer.drain()
-                except TimeoutError:
-                    log.info("client took nothing for %gs (PD_PROXY_CLIENT_WRITE_TIMEOUT_"
-                             "SECONDS): taken as gone", self.limits.write_timeout)
-                    self.drop()
-                    raise ClientGone() from None
+                await self._drain_bounded(self.limits.write_timeout)
             else:
                 await self.writer.drain()
-        except (ConnectionError, RuntimeError):
+        except (OSError, RuntimeError):  # ConnectionError, or the kernel's ETIMEDOUT
             raise ClientGone() from None
+
+    async def _drain_bounded(self, seconds: float) -> None:
+        """The drain, given up when a whole ``seconds`` pass with nothing taken of the
+        buffer (nginx's send_timeout: between two writes, not for the whole drain):
+        a client that reads slowly stays, one that stopped reading lets its decode go."""
+        size = self.transport.get_write_buffer_size()
+        while True:
+            try:
+                async with deadline(seconds):
+                    await self.writer.drain()
+                return
+            except TimeoutError:
+                left = self.transport.get_write_buffer_size()
+                if left < size:  # it took some: wait again
+                    size = left
+                    continue
+                log.info("client took nothing for %gs (PD_PROXY_CLIENT_WRITE_TIMEOUT_SECONDS): "
+                         "taken as gone", seconds)
+                self.drop()
+                raise ClientGone() from None
 
     def write_buffer_size(self) -> int:
         return self.transport.get_write_buffer_size()

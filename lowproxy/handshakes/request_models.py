@@ -94,7 +94,7 @@ FIELD_TYPES: dict[str, dict[str, FieldType]] = {
                   "logprob_token_ids": OPTIONAL_INT_LIST},
     RESPONSES: {"max_output_tokens": OPTIONAL_INT, "store": OPTIONAL_BOOL,
                 "stream": OPTIONAL_BOOL, "ignore_eos": BOOL, "stop": STOP,
-                "top_logprobs": LOGPROBS_COUNT},
+                "top_logprobs": OPTIONAL_INT},  # int | None, no before-validator there
     MESSAGES: {"max_tokens": INT, "stream": OPTIONAL_BOOL, "stop_sequences": OPTIONAL_STR_LIST},
     # GenerateRequest: the top level by type; inside sampling_params, vLLM's
     # SamplingParams (msgspec) checks values in _verify_args: _sampling_rules.

@@ -348,7 +348,7 @@ class Dispatcher:
                 tried += (endpoint,)
                 continue
             endpoint.cooldown_until = 0.0  # it answered: usable again (and ready)
-            if response.status < 500:
+            if 200 <= response.status < 300:
                 endpoint.answered_at = time.monotonic()  # serving, whatever its checks say
             return response
 

@@ -189,19 +189,21 @@ class Proxy:
         if route == READY:
             await self._ready(responder)
             return
-        if route == METRICS:
+        keyless = route == METRICS  # /metrics needs no client key, wherever it goes
+        if keyless:
             if not self.config.metrics_port:
                 await self._metrics(responder)
                 return
             # With a metrics port, lowproxy's own (whose labels name backends) are
             # served only there, and the main port passes /metrics on to decode,
             # as the GCO proxy and llm-d's sidecar do (llm-d's scheduler scrapes
-            # vLLM's series through the port it routes to).
+            # vLLM's series through the port it routes to; vLLM's --api-key
+            # does not guard it).
             route = PASSTHROUGH
         if route == PASSTHROUGH and self.peers is not None and request.path == PEERS_PATH:
             await self._peer_batch(request, responder)  # the peers' own key, not a client's
             return
-        if self.client_keys.required and route != ADMIN:
+        if self.client_keys.required and route != ADMIN and not keyless:
             anthropic = speaks_anthropic(request.path)
             if not self.client_keys.allows(request.header(b"authorization"),
                                            request.header(b"x-api-key") if anthropic else None):

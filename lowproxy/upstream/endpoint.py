@@ -42,7 +42,7 @@ class Endpoint:
         self.in_flight = 0
         self.open = 0
         self.cooldown_until = 0.0
-        self.answered_at = 0.0  # monotonic: decode's last answer head below 500
+        self.answered_at = 0.0  # monotonic: decode's last 2xx answer head
         # No longer in its group (removed, undiscovered, evicted): a request chosen
         # before that may still finish on it, and its connection is then closed,
         # not pooled where nothing would ever sweep it.

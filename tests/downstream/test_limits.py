@@ -408,3 +408,80 @@ async def test_a_client_that_takes_nothing_for_the_write_timeout_is_gone():
                 client.close()
     finally:
         await decode.close()
+
+
+
+class _SlowWire:
+    """What _drain_bounded reads of a connection: a buffer taken ``taken`` bytes at
+    each of its waits, a drain that ends once it is empty."""
+
+    def __init__(self, size: int, taken: int) -> None:
+        self.size, self.taken, self.dropped = size, taken, False
+        self.transport = self
+        self.writer = self
+
+    def get_write_buffer_size(self) -> int:
+        return self.size
+
+    async def drain(self) -> None:
+        while self.size > 0:
+            await asyncio.sleep(0.05)
+            self.size = max(0, self.size - self.taken)
+            if not self.taken:
+                await asyncio.sleep(3600)
+
+    def drop(self) -> None:
+        self.dropped = True
+
+
+async def test_the_write_timeout_bounds_a_client_taking_nothing_not_a_slow_drain():
+    """nginx's send_timeout: between two bytes taken, not for the whole drain. A drain
+    of 2 s at a steady trickle outlasts a 0.2 s bound; a buffer nothing is taken of
+    for the bound is the client gone (the review found the whole drain bounded)."""
+    from lowproxy.downstream.connection import ClientConnection
+    from lowproxy.downstream.messages import ClientGone
+
+    steady = _SlowWire(size=40 * 1024, taken=1024)  # 40 waits of 0.05 s: 2 s in all
+    await ClientConnection._drain_bounded(steady, 0.2)  # type: ignore[arg-type]
+    assert steady.size == 0 and not steady.dropped
+    stalled = _SlowWire(size=40 * 1024, taken=0)
+    with pytest.raises(ClientGone):
+        await ClientConnection._drain_bounded(stalled, 0.2)  # type: ignore[arg-type]
+    assert stalled.dropped
+
+
+async def test_a_client_reading_slowly_but_steadily_outlasts_the_write_timeout():
+    """The bound is on a client taking nothing (nginx's send_timeout), not on the whole
+    drain: one reading 4 KiB every 0.1 s through a drain that takes seconds stays."""
+    piece = b"data: " + b"x" * (64 * 1024 - 8) + b"\n\n"
+
+    async def flood(request, responder):
+        await responder.start(200, [(b"content-type", b"text/event-stream")])
+        for _ in range(12):
+            await responder.write(piece)
+        await responder.end()
+
+    decode = await ScriptedBackend(flood).start()
+    try:
+        config = config_for((), decode.url(), client_write_timeout=0.5)
+        async with running_proxy(config) as proxy:
+            client = socket.socket()
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.setblocking(False)
+            loop = asyncio.get_running_loop()
+            await loop.sock_connect(client, ("127.0.0.1", proxy.port))
+            body = b'{"model":"m","prompt":"x","stream":true}'
+            client.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-length: %d\r\n"
+                        b"content-type: application/json\r\n\r\n%s" % (len(body), body))
+            received = b""
+            try:
+                while not received.endswith(b"0\r\n\r\n"):
+                    data = await asyncio.wait_for(loop.sock_recv(client, 4096), 10)
+                    assert data, "the proxy dropped a client that was reading"
+                    received += data
+                    await asyncio.sleep(0.1 if len(received) < 256 * 1024 else 0)
+            finally:
+                client.close()
+            assert received.count(b"data: ") == 12
+    finally:
+        await decode.close()

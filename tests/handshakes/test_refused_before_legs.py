@@ -211,11 +211,12 @@ async def test_stream_false_as_pydantic_reads_is_answered_as_json(value):
         reply.json()
 
 
-async def test_responses_prefill_leg_drops_top_logprobs():
-    body = {"model": "demo-model", "input": "hi", "max_output_tokens": 4, "top_logprobs": 3}
+@pytest.mark.parametrize("top", [3, "3"])  # int | None in ResponsesRequest: lax, "3" is 3
+async def test_responses_prefill_leg_drops_top_logprobs(top):
+    body = {"model": "demo-model", "input": "hi", "max_output_tokens": 4, "top_logprobs": top}
     async with pd_setup("mooncake") as (proxy, prefill, decode):
         reply = await proxy.request("POST", RESPONSES, body)
         assert reply.status == 200, reply.body
         [pf] = prefill.requests_to(RESPONSES)
         assert "top_logprobs" not in pf.body
-        assert decode.requests_to(RESPONSES)[0].body["top_logprobs"] == 3
+        assert decode.requests_to(RESPONSES)[0].body["top_logprobs"] == top
