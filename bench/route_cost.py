@@ -10,6 +10,9 @@ of 5 runs, and the ratio to a ``json.loads`` of the same body.
 ``--peers``: as with PD_PROXY_PEERS set: block keys the same in every process
 (crc32, blocks.py), every choice noted for the peers and the batch encoded
 every 64 requests (peer_batch.py; the POSTs themselves not counted).
+
+``--unique``: every prompt its own (a number before the system prompt, so no
+block is shared): nothing hits, and the indexes drop blocks all the time.
 """
 
 from __future__ import annotations
@@ -32,17 +35,20 @@ from lowproxy.routing.peer_batch import encode  # noqa: E402
 
 IN_FLIGHT = 16
 REQUESTS = 20000
+UNIQUE = 4000  # prompts in --unique: the order goes round them, each seen 5 times
 
 
-def bodies(rng: random.Random) -> list[dict]:
+def bodies(rng: random.Random, unique: bool) -> list[dict]:
     def words(count: int) -> str:
         return " ".join("".join(rng.choice(string.ascii_lowercase) for _ in range(3))
                         for _ in range(count))
     systems = [words(1900) for _ in range(10)]  # 7.6 KB
     out = []
-    for n in range(40):
+    # Unique: more prompts than the 4 prefills' indexes hold (2048 blocks each).
+    for n in range(UNIQUE if unique else 40):
         out.append({"model": "m", "messages": [
-            {"role": "system", "content": systems[n % 10]},
+            {"role": "system", "content": f"{n} {systems[n % 10]}" if unique
+             else systems[n % 10]},
             {"role": "user", "content": words(60)}]})  # about 8 KB in all
     return out
 
@@ -50,6 +56,7 @@ def bodies(rng: random.Random) -> list[dict]:
 def main() -> None:
     rng = random.Random(1)
     peers = "--peers" in sys.argv[1:]
+    unique = "--unique" in sys.argv[1:]
     config = dataclasses.replace(Config(), peers=(parse_endpoint("http://127.0.0.1:1"),)
                                  if peers else ())
     prefill = BackendGroup("prefill", [parse_endpoint(f"http://127.0.0.1:{9000 + i}")
@@ -60,8 +67,9 @@ def main() -> None:
     outbox: list = []
     if peers:
         router.shared = lambda label, chain: outbox.append((label, chain))
-    prompts = bodies(rng)
-    order = [prompts[rng.randrange(len(prompts))] for _ in range(REQUESTS)]
+    prompts = bodies(rng, unique)
+    order = ([prompts[n % len(prompts)] for n in range(REQUESTS)] if unique
+             else [prompts[rng.randrange(len(prompts))] for _ in range(REQUESTS)])
 
     def cache_aware() -> float:
         pending: deque = deque()
@@ -103,7 +111,7 @@ def main() -> None:
           f"json.loads of the body {figures[2]:.1f} µs (cache-aware = "
           f"{figures[0] / figures[2]:.2f} x parsing; {IN_FLIGHT} in flight, 8 KB chat "
           f"prompts, 4 prefills, 2 decodes, {REQUESTS} requests"
-          f"{'; with peers' if peers else ''})")
+          f"{'; unique prompts' if unique else ''}{'; with peers' if peers else ''})")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,48 @@ def test_the_index_holds_prefixes_and_ages_tails_out_first():
     assert index.match("p", longer) == 4  # a longer prompt matches what is held
 
 
+class _SortedIndex:
+    """The index as it was: timestamps, a sort of them all every quarter over."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.held, self.tick = capacity, {}, 0
+
+    def record(self, label: str, chain: list) -> None:
+        held = self.held.setdefault(label, {})
+        self.tick += 1
+        held.update(zip(chain, range(self.tick << 20, -1, -1), strict=False))
+        if len(held) > self.capacity + (self.capacity >> 2):
+            kept = sorted(held.items(), key=lambda pair: pair[1])[-self.capacity:]
+            self.held[label] = dict(kept)
+
+
+def test_the_index_drops_what_a_sort_by_last_use_would():
+    rng = random.Random(7)
+    for trial in range(200):
+        capacity = rng.randrange(1, 40)
+        index, reference = PrefixIndex(capacity), _SortedIndex(capacity)
+        prompts = [chain_of(bytes([65 + n]) * 256 * rng.randrange(1, 12), 256)
+                   for n in range(rng.randrange(1, 12))]
+        for _ in range(60):
+            chain = rng.choice(prompts)
+            chain = chain[:rng.randrange(1, len(chain) + 1)]  # a shorter turn, too
+            label = rng.choice("pq")
+            index.record(label, chain)
+            reference.record(label, chain)
+            for name in "pq":
+                assert set(index.held.get(name, ())) == set(reference.held.get(name, ())), trial
+                assert len(index.held.get(name, ())) <= capacity + (capacity >> 2)
+                assert all(index.match(name, c) == sum(1 for _ in _held_prefix(
+                    reference.held.get(name, {}), c)) for c in prompts)
+
+
+def _held_prefix(held: dict, chain: list):
+    for block in chain:
+        if block not in held:
+            return
+        yield block
+
+
 def test_rendezvous_moves_only_the_leaving_labels_prefixes():
     labels = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
     salts = {label: label_salt(label) for label in labels}
