@@ -207,8 +207,10 @@ class Proxy:
             anthropic = speaks_anthropic(request.path)
             if not self.client_keys.allows(request.header(b"authorization"),
                                            request.header(b"x-api-key") if anthropic else None):
+                # Headers given replace send_bytes' default content-type: name it again.
                 await self._local(responder, route, 401, answers.unauthorized(anthropic),
-                                  [(b"www-authenticate", b"Bearer")])  # RFC 6750 3
+                                  [(b"content-type", b"application/json"),
+                                   (b"www-authenticate", b"Bearer")])  # RFC 6750 3
                 return
         if self.draining:
             # Probes above are still answered; new work goes to another replica.

@@ -82,6 +82,8 @@ async def test_x_api_key_is_accepted_on_messages_and_never_forwarded():
         refused = await running.request("POST", CHAT, chat(), headers=[("x-api-key", KEY)])
         assert "authorization: Bearer" in openai_error(refused, 401)["message"]
         assert refused.header("www-authenticate") == b"Bearer"
+        # The SDKs parse an error body only when it is said to be JSON.
+        assert refused.header("content-type") == b"application/json"
 
 
 async def test_a_wrong_x_api_key_is_refused_in_anthropic_shape():
@@ -89,6 +91,7 @@ async def test_a_wrong_x_api_key_is_refused_in_anthropic_shape():
         for headers in ([("x-api-key", "wrong")], [], [("authorization", "Bearer wrong")]):
             reply = await running.request("POST", MESSAGES, message(), headers=headers)
             shown = anthropic_error(reply, 401, "authentication_error")
+            assert reply.header("content-type") == b"application/json"
             assert "x-api-key" in shown and "wrong" not in reply.body.decode()
         assert decode.requests_to(MESSAGES) == [] and prefill.requests_to(MESSAGES) == []
 
