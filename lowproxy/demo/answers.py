@@ -33,6 +33,13 @@ class Result:
     body: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def response_id(self) -> str:
+        """A Responses answer's id: vLLM's is the request's request_id field (a
+        vLLM extra, resp_<uuid> when absent), the key its response store uses."""
+        given = self.body.get("request_id")
+        return given if isinstance(given, str) else "resp_" + self.request_id
+
+    @property
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.parsed.prompts)
 
@@ -179,7 +186,7 @@ def responses_object(result: Result, final: bool) -> dict[str, Any]:
     incomplete = final and out.finish_reason == "length"
     status = ("incomplete" if incomplete else "completed") if final else "in_progress"
     return {
-        "id": "resp_" + result.request_id, "object": "response",
+        "id": result.response_id, "object": "response",
         "created_at": result.created, "model": result.model, "status": status,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
         "instructions": body.get("instructions"),

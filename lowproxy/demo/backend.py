@@ -256,8 +256,13 @@ class DemoBackend:
                 "id": name, "object": "model", "created": 0, "owned_by": "lowproxy-demo",
                 "root": self.served_model_names[0], "parent": None,
                 "max_model_len": self.max_model_len} for name in self.served_model_names]})
-        elif path.startswith("/v1/responses/") and path[14:] in self.stored_responses:
-            await responder.send_json(200, self.stored_responses[path[14:]])
+        elif path.startswith("/v1/responses/"):
+            stored = self.stored_responses.get(path[14:])
+            if stored is None:  # vLLM's store is this server's memory alone
+                await send_error(responder, 404, f"Response with id '{path[14:]}' not found.",
+                                 "invalid_request_error")
+            else:
+                await responder.send_json(200, stored)
         else:
             await responder.send_json(404, {"detail": "Not Found"})
 
@@ -416,7 +421,7 @@ class DemoBackend:
             await send_generate(responder, result)
             return
         if result.store:  # vLLM keeps a stored response (for ever, without eviction)
-            self.stored_responses["resp_" + result.request_id] = responses_object(result, True)
+            self.stored_responses[result.response_id] = responses_object(result, True)
         if not result.parsed.stream:
             await responder.send_bytes(200, json_body(answer(result)),
                                        [(b"content-type", b"application/json"),

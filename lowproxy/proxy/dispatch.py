@@ -27,6 +27,7 @@ from ..observability.metrics import Metrics
 from ..routes import MESSAGES
 from ..routing.engine_load import ASK_ORCA, EngineLoads
 from ..routing.groups import BackendGroup
+from ..routing.response_homes import id_for
 from ..timeouts import Deadlines
 from ..upstream.endpoint import Endpoint
 from ..upstream.errors import UpstreamUnreachable, UpstreamUntrusted
@@ -324,13 +325,17 @@ class Dispatcher:
                 raise NoDecode(last_error)
             exchange.decode_endpoint = endpoint
             exchange.decode_backend = endpoint.label  # named in every log line from here
+            sent = body
+            if exchange.response_slot is not None and body is not None:
+                # The response id names this decode, whose store will hold it.
+                sent = body.replace(exchange.response_slot, id_for(endpoint).encode(), 1)
             try:
                 # PD_PROXY_DECODE_FIRST_BYTE_TIMEOUT_SECONDS bounds the wait for
                 # decode's response head (none by default: it waits for the KV).
                 with self.deadlines.within(self.config.decode_first_byte_timeout):
                     # 1xx (103 Early Hints) go on to the client (RFC 9110 15.2).
                     response = await self.upstream.request(
-                        endpoint, method, target, exchange.upstream_headers, body,
+                        endpoint, method, target, exchange.upstream_headers, sent,
                         on_informational=responder.informational)
             except TimeoutError:
                 raise DecodeFailed(UpstreamTimeout(

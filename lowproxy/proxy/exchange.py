@@ -51,6 +51,9 @@ class Exchange:
     prefill_input_logprobs: list[Any] | None = None  # SGLang's, for decode's answer
     prefill_lease: PrefillLease | None = None  # the prefill choice, released at the leg's end
     prefill_leg: PrefillLeg = PrefillLeg.NOT_SENT
+    # Responses: the placeholder request_id in decode's body, replaced by an id that
+    # names the decode each leg goes to (routing/response_homes.py); None elsewhere.
+    response_slot: bytes | None = None
 
     def elapsed_ms(self) -> float:
         return (time.perf_counter() - self.started) * 1000.0

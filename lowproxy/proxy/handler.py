@@ -34,6 +34,7 @@ from ..routes import (
     METRICS,
     PASSTHROUGH,
     READY,
+    RESPONSES,
     classify,
     route_and_surface,
     speaks_anthropic,
@@ -46,6 +47,7 @@ from ..routing.groups import BackendGroup, PrefillTargetAllowList
 from ..routing.health import HealthMonitor
 from ..routing.peers import PEERS_PATH, PeerShare
 from ..routing.prefill import PrefillChooser, TargetRefused
+from ..routing.response_homes import home_of, id_in_path, placeholder
 from ..routing.worker_share import WorkerShare
 from ..tls import TrustStore
 from ..upstream.endpoint import Endpoint
@@ -369,6 +371,8 @@ class Proxy:
         blocks = NO_BLOCKS if router is None else router.blocks(surface, body)
         decode_cached = router is not None and self._decode_first(exchange, router, blocks,
                                                                   model, named)
+        if surface == RESPONSES and exchange.handshake != "sglang":
+            self._name_response(exchange, body)
         exchange.prefill_lease = self.prefill_choice.lease(named, facts, model, blocks)
         # What decode's memory records once it answers; not the prompt (a stream may last
         # minutes, and the blocks carry the rendered prompt and the body for the choice).
@@ -389,6 +393,21 @@ class Proxy:
             if router is not None and exchange.decode_endpoint is not None \
                     and exchange.first_byte_ms is not None:
                 router.served_decode(exchange.decode_endpoint, blocks)
+
+    def _name_response(self, exchange: Exchange, body: dict) -> None:
+        """Stored responses live in the decode that made them (routing/response_homes.py):
+        a follow-up goes there, and a new response's id names its decode.
+
+        The body gets a placeholder ``request_id`` (vLLM's response id) unless the
+        client set one; dispatch writes the id naming the decode into each decode
+        leg it sends. Not under sglang, whose legs carry lowproxy's rid."""
+        home = home_of(body.get("previous_response_id"), self.decode.endpoints)
+        if home is not None:
+            exchange.decode_preferred = home  # only its store holds the conversation
+        if "request_id" not in body:
+            slot = placeholder()
+            body["request_id"] = slot
+            exchange.response_slot = slot.encode()
 
     def _routing_with_choice(self) -> CacheRouter | None:
         """The cache-aware router, when it has something to choose: with one prefill and
@@ -447,6 +466,8 @@ class Proxy:
         request.body = b""
         request.watch_client()
         request.headers = []  # read (keys, trace, the legs' own): a stream keeps none
+        # GET /v1/responses/{id}, its cancel: to the decode whose store holds it.
+        exchange.decode_preferred = home_of(id_in_path(request.path), self.decode.endpoints)
         await self.dispatch.run(exchange, responder,
                                 decode_only_plan(request.method, request.target, body))
 
