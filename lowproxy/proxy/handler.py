@@ -400,11 +400,14 @@ class Proxy:
 
         The body gets a placeholder ``request_id`` (vLLM's response id) unless the
         client set one; dispatch writes the id naming the decode into each decode
-        leg it sends. Not under sglang, whose legs carry lowproxy's rid."""
-        home = home_of(body.get("previous_response_id"), self.decode.endpoints)
+        leg it sends. With one decode there is nothing to find, and decode gets the
+        client's body as the GCO proxy sent it. Not under sglang, whose legs carry
+        lowproxy's rid."""
+        decodes = self.decode.endpoints
+        home = home_of(body.get("previous_response_id"), decodes)
         if home is not None:
             exchange.decode_preferred = home  # only its store holds the conversation
-        if "request_id" not in body:
+        if len(decodes) > 1 and "request_id" not in body:
             slot = placeholder()
             body["request_id"] = slot
             exchange.response_slot = slot.encode()
