@@ -224,19 +224,22 @@ class Dispatcher:
                         raise
                     # Prefill failed first: this decode leg is closed (its
                     # connection discarded as the wait was cancelled).
-                except BaseException:
+                except BaseException as exc:
                     watch.opening = False
                     # Decode failed first: that is the client's answer, and a
-                    # prefill still running is not waited for.
+                    # prefill still running is not waited for (nor, when no decode
+                    # got the request, left to pin a KV nobody reads).
                     if not prefill_task.done():
-                        prefill_closed = await self.aborts.close_prefill(exchange, plan,
-                                                                         prefill_task)
+                        prefill_closed = await self.aborts.close_prefill(
+                            exchange, plan, prefill_task, isinstance(exc, NoDecode))
                     raise
                 watch.opening = False
                 if (response is not None and not 200 <= response.status < 300
                         and not prefill_task.done()):
-                    # Decode answered an error while prefill still runs: relayed at once.
-                    prefill_closed = await self.aborts.close_prefill(exchange, plan, prefill_task)
+                    # Decode answered an error while prefill still runs: relayed at once,
+                    # and the prefill closed (that decode will never read its KV).
+                    prefill_closed = await self.aborts.close_prefill(exchange, plan,
+                                                                     prefill_task, True)
                     return response
                 result = await watch.result(loop)
                 if result.ok and response is not None and result.outcome != "stopped":

@@ -22,17 +22,19 @@ async def test_a_late_prefill_failure_leaves_the_next_request_on_the_connection_
     async with pd_setup("mooncake", prefill_timeout=60) as (proxy, prefill, decode):
         prefill.faults.delay = 0.5  # then answers 500: long after its request ended
         prefill.faults.status = 500
-        decode.faults.status = 503  # decode's error is the client's answer at once
+        # Decode hangs up without an answer: the client's 502 at once, and the
+        # prefill left to finish (that decode may have begun pulling its KV).
+        decode.faults.close_without_response = True
         client = await Client.open(proxy.port)
         try:
             client.send("POST", CHAT, chat())
             first = await client.reply()
-            assert first.status == 503
+            assert first.status == 502
             metrics = proxy.proxy.metrics
             assert metrics.prefill_legs.get("mooncake", "error") == 0  # still running
             # The next request on the same connection goes to decode alone (echo)
             # and is still waiting for decode when the first one's prefill fails.
-            decode.faults.status = None
+            decode.faults.close_without_response = False
             decode.faults.delay = 1.0
             client.send("POST", CHAT, chat(echo=True))
             second = await client.reply(timeout=10)

@@ -307,3 +307,26 @@ async def test_daemon_configured_from_the_environment():
         await prefill.close()
         for decode in decodes:
             await decode.close()
+
+
+async def test_a_prefill_leg_no_decode_got_is_closed_not_left_to_pin_its_kv():
+    """Every decode refused the connection after the prefill leg went out: nothing
+    will pull that KV (480 s pinned on a finished Mooncake prefill), so the
+    prefill leg is closed and vLLM aborts it."""
+    prefill, gone = await start_pair()
+    await gone.close()  # its port now refuses connections
+    prefill.faults.delay = 1.0
+    try:
+        config = config_for(f"{prefill.url}#bootstrap_port={prefill.bootstrap_port}",
+                            gone.url, kv_protocol="mooncake",
+                            mooncake_bootstrap_port=prefill.bootstrap_port)
+        async with running_proxy(config) as proxy:
+            reply = await proxy.request("POST", CHAT, chat(), timeout=10)
+            assert reply.status == 503, reply.body  # no decode backend
+            await asyncio.sleep(1.3)  # past the prefill's compute, had it gone on
+            assert not prefill.registry._ready  # no KV computed for nobody
+            # Closed before it was sent, or while the prefill computed it (aborted).
+            assert prefill.abandoned == len(prefill.requests_to(CHAT))
+            assert proxy.proxy.metrics.prefill_legs.get("mooncake", "ok") == 0
+    finally:
+        await prefill.close()

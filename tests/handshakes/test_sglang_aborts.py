@@ -119,12 +119,15 @@ async def test_unreachable_decode_closes_and_aborts_the_running_prefill():
         await decode.close()
 
 
-async def test_under_mooncake_a_decode_error_is_relayed_and_prefill_left_to_finish():
+async def test_under_mooncake_a_decode_error_is_relayed_and_prefill_closed():
+    """Decode's error is its final answer: it will never pull the KV, which a
+    Mooncake prefill left to finish would pin for 480 s. Closed, vLLM aborts it."""
     async with pd_setup("mooncake", prefill_timeout=60) as (proxy, prefill, decode):
         prefill.faults.delay = 1.0
         decode.faults.status = 503
         reply = await proxy.request("POST", CHAT, chat(), timeout=10)
         assert reply.status == 503
-        await wait_until(lambda: proxy.proxy.metrics.prefill_legs.get("mooncake", "ok") == 1,
-                         what="prefill finished")
-        assert prefill.abandoned == 0 and prefill.abort_requests == []
+        await wait_until(lambda: prefill.abandoned == 1, what="prefill leg closed")
+        assert prefill.abort_requests == []  # vLLM has no abort route: the close is it
+        assert not prefill.registry._ready  # no KV computed for nobody
+        assert proxy.proxy.metrics.prefill_legs.get("mooncake", "ok") == 0
