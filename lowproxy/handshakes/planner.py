@@ -54,7 +54,7 @@ def _new_room() -> int:
 
 
 def _refused_under_sglang(body: Body, surface: str) -> tuple[str, str] | None:
-    return sglang.too_many_children(surface, body)
+    return sglang.too_many_children(surface, body) or sglang.needs_decodes_store(surface, body)
 
 
 def _refused_by_vllm(body: Body, surface: str) -> tuple[str, str] | None:
@@ -70,8 +70,9 @@ def refusal_rules(kv_protocol: str) -> Callable[[Body, str], tuple[str, str] | N
     (request_models.refused_field): that KV would stay pinned. Under sglang both
     legs get the one body, so what SGLang rejects both reject, and vLLM's rules
     would only refuse what SGLang accepts (stream_options without stream, say);
-    there the rule is one SGLang would make into more requests than lowproxy
-    pairs (sglang.too_many_children). Chosen once per handshake, so that no
+    there the rules are one SGLang would make into more requests than lowproxy
+    pairs (sglang.too_many_children) and a conversation only decode's store
+    holds (sglang.needs_decodes_store). Chosen once per handshake, so that no
     handshake pays for another's rules."""
     return _refused_under_sglang if kv_protocol == "sglang" else _refused_by_vllm
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .._types import Body
-from ..routes import CHAT, COMPLETIONS, SGLANG_GENERATE
+from ..routes import CHAT, COMPLETIONS, RESPONSES, SGLANG_GENERATE
 from ..upstream.endpoint import Endpoint
 from .legs import Plan, serialise, sglang_body
 from .sglang_logprobs import wants_merge
@@ -92,6 +92,24 @@ def too_many_children(surface: str, body: Body) -> tuple[str, str] | None:
                    f"most {MAX_CHILDREN} per request under the sglang handshake")
 
 
+def needs_decodes_store(surface: str, body: Body) -> tuple[str, str] | None:
+    """(param, message) for a Responses request that only the decode's response
+    store can serve; else None.
+
+    Under sglang both legs compute the prompt, and a conversation named by
+    ``previous_response_id`` (or ``conversation``) is in the store of the decode
+    that made it, never the prefill's: SGLang's prefill answers 404, which was a
+    502 the SDKs retried. A 400 before either leg says why, once."""
+    if surface != RESPONSES:
+        return None
+    for field in ("previous_response_id", "conversation"):
+        if body.get(field):
+            return field, (f"`{field}` cannot be served with PD_PROXY_KV_PROTOCOL=sglang: "
+                           "both legs compute the prompt, and the prefill server does not "
+                           "hold the decode server's stored responses")
+    return None
+
+
 def child_rids(rid: str, batch: int | None) -> tuple[str, ...]:
     """The rids SGLang serves this request under: its own, or ``<rid>_<i>`` per child."""
     if batch is None:
@@ -118,12 +136,19 @@ def plan(body: Body, target: bytes, path: bytes, prefill: Endpoint, bootstrap_ho
     will make of this request.
     """
     batch = children(surface, body)
-    shaped = serialise(sglang_body(body, bootstrap_host, bootstrap_port,
-                                   rooms_for(batch, new_room), rid))
+    fields = sglang_body(body, bootstrap_host, bootstrap_port, rooms_for(batch, new_room), rid)
+    shaped = serialise(fields)
+    prefill_body = shaped
+    if surface == RESPONSES and not fields.get("background") \
+            and fields.get("store", True) is not False:
+        # A stored one-token prefill response is kept for ever (SGLang's store has
+        # no expiry): the prefill leg says store false, which changes no prompt.
+        # Not for background, which SGLang, like vLLM, may refuse without store.
+        prefill_body = serialise({**fields, "store": False})
     # No client_body: an SGLang decode cannot recompute the prompt without a
     # bootstrap room (dispatch answers a prefill failure with 502), so there is no
     # fallback to keep the parsed prompt for while both legs run.
     return Plan(b"POST", target, shaped, prefill=prefill,
-                prefill_target=path, prefill_body=shaped, concurrent=True,
+                prefill_target=path, prefill_body=prefill_body, concurrent=True,
                 abort_rids=child_rids(rid, batch),
                 merge_input_logprobs=wants_merge(surface, body))

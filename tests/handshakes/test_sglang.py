@@ -395,3 +395,29 @@ async def test_a_prefill_answer_of_endless_tiny_chunks_fails_the_leg_soon():
     finally:
         server.close()
         await decode.close()
+
+
+async def test_responses_prefill_leg_stores_nothing_and_a_stored_conversation_is_400():
+    async with pd_setup("sglang") as (proxy, prefill, decode):
+        body = {"model": "demo-model", "input": "hello there", "max_output_tokens": 3}
+        reply = await proxy.request("POST", "/v1/responses", body)
+        assert reply.status == 200, reply.body
+        [pf], [dc] = prefill.requests_to("/v1/responses"), decode.requests_to("/v1/responses")
+        # SGLang's store keeps every stored response for ever: not the prefill's one token.
+        assert pf.body.pop("store") is False and "store" not in dc.body
+        assert pf.body == dc.body  # otherwise one body, the one prompt
+        assert prefill.stored_responses == {} and list(decode.stored_responses) == [
+            reply.json()["id"]]
+        # Background may need store: that leg is left as the client sent it.
+        await proxy.request("POST", "/v1/responses", {**body, "background": True})
+        assert "store" not in prefill.requests_to("/v1/responses")[-1].body
+        # Only decode's store holds a conversation; SGLang's prefill would answer 404
+        # (a 502 the SDKs retried): 400 before either leg.
+        sent = len(prefill.received), len(decode.received)
+        for field, value in (("previous_response_id", reply.json()["id"]),
+                             ("conversation", "conv_1")):
+            refused = await proxy.request("POST", "/v1/responses", {**body, field: value})
+            assert refused.status == 400, refused.body
+            error = refused.json()["error"]
+            assert error["param"] == field and "sglang" in error["message"]
+        assert (len(prefill.received), len(decode.received)) == sent
