@@ -366,3 +366,26 @@ async def test_json_log_lines_stay_valid_json():
     assert all(line.isascii() for line in lines)
     assert any(line.get("request_id") == HOSTILE_ID for line in parsed
                if line["level"] == "warning")
+
+
+# -- a body in one-byte chunks: bounded by pieces, not only bytes
+
+
+def _chunked_post(body: bytes, chunk: int) -> bytes:
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(body[i:i + chunk]), body[i:i + chunk])
+                      for i in range(0, len(body), chunk))
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
+            b"\r\ntransfer-encoding: chunked\r\nconnection: close\r\n\r\n" + framed + b"0\r\n\r\n")
+
+
+async def test_a_body_in_too_many_chunks_is_413_and_reaches_no_backend():
+    """Each one-byte chunk cost ~170 bytes and h11's time: 32 MiB of them took
+    gigabytes; a body may come in max_body_bytes / 256 pieces at most."""
+    async with pd_setup(max_body_bytes=64 * 1024) as (proxy, prefill, decode):
+        body = json.dumps({"model": "demo-model", "max_tokens": 2,
+                           "messages": [{"role": "user", "content": "x" * 400}]}).encode()
+        refused = only(await raw_exchange(proxy.port, _chunked_post(body, 1)))
+        assert refused.status == 413 and b"too many chunks" in refused.body
+        assert generation_legs(prefill, decode) == ([], [])
+        fine = only(await raw_exchange(proxy.port, _chunked_post(body, 64)))
+        assert fine.status == 200, fine.body  # the same body in fewer pieces
