@@ -39,6 +39,9 @@ def strict_loads(raw: bytes, max_bytes: int) -> Any:
         return strict_json.loads(raw)
     except strict_json.TooDeep:
         raise BadAnswer(f"answer nested deeper than {MAX_DEPTH} levels") from None
+    except strict_json.TooMany:
+        raise BadAnswer(f"answer holds more than {strict_json.MAX_CONTAINERS} arrays and "
+                        "objects") from None
     except strict_json.NotJson:
         raise BadAnswer("answer is not JSON") from None
 

@@ -47,6 +47,8 @@ TOO_DEEP = f"JSON body nested deeper than {MAX_DEPTH} levels"
 # seconds. No API's request needs more than this.
 MAX_FIELDS = 1024
 TOO_MANY_FIELDS = f"JSON body has more than {MAX_FIELDS} top-level fields"
+TOO_MANY_CONTAINERS = (f"JSON body has more than {strict_json.MAX_CONTAINERS} arrays and "
+                       "objects")
 
 
 class BodyError(ValueError):
@@ -65,6 +67,8 @@ def parse_client_body(raw: bytes) -> Body:
         decoded = strict_json.loads(raw)
     except strict_json.TooDeep:
         raise BodyError(TOO_DEEP) from None
+    except strict_json.TooMany:
+        raise BodyError(TOO_MANY_CONTAINERS) from None
     except strict_json.NotJson:
         raise BodyError("invalid JSON body") from None
     if not isinstance(decoded, dict):

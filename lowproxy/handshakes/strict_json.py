@@ -18,6 +18,12 @@ from typing import Any
 # schemas) and answers (NIXL's remote_block_ids, a list of lists) nest far less,
 # and json.dumps of that depth always succeeds far from the interpreter's limit.
 MAX_DEPTH = 128
+# Each array or object costs the decoder, the depth walk and every leg's
+# serialisation about a microsecond on the event loop: 32 MiB of tiny arrays
+# (ten million) held it 9 s. A request's messages, content parts and tool
+# schemas, and NIXL's block lists, are thousands. Counted before decoding, as
+# brackets anywhere (in strings too): a cheap bound, not an exact count.
+MAX_CONTAINERS = 500_000
 
 
 class NotJson(ValueError):
@@ -26,6 +32,10 @@ class NotJson(ValueError):
 
 class TooDeep(ValueError):
     """Containers nested deeper than MAX_DEPTH."""
+
+
+class TooMany(ValueError):
+    """More than MAX_CONTAINERS opening brackets."""
 
 
 def _no_constant(name: str) -> Any:
@@ -58,7 +68,12 @@ def text_of(raw: bytes) -> str:
 
 
 def loads(raw: bytes) -> Any:
-    """The JSON value in ``raw``; NotJson or TooDeep if it is not one to pass on."""
+    """The JSON value in ``raw``; NotJson, TooDeep or TooMany if it is not one to pass on."""
+    # C-speed scans: a normal body never pays for the walk, nor a hostile one for
+    # decoding millions of containers.
+    brackets = raw.count(b"[") + raw.count(b"{")
+    if brackets > MAX_CONTAINERS:
+        raise TooMany()
     try:
         # What json.loads does with bytes, on the decoder made once.
         value = _DECODER.decode(text_of(raw))
@@ -66,9 +81,8 @@ def loads(raw: bytes) -> Any:
         raise TooDeep() from None
     except ValueError:  # UnicodeDecodeError is a ValueError
         raise NotJson() from None
-    # Depth needs at least MAX_DEPTH opening brackets: counting them is a C-speed
-    # scan, so a normal body never pays for the walk.
-    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH and nested_deeper_than(value, MAX_DEPTH):
+    # Depth needs at least MAX_DEPTH opening brackets.
+    if brackets > MAX_DEPTH and nested_deeper_than(value, MAX_DEPTH):
         raise TooDeep()
     return value
 

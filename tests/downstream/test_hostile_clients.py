@@ -389,3 +389,22 @@ async def test_a_body_in_too_many_chunks_is_413_and_reaches_no_backend():
         assert generation_legs(prefill, decode) == ([], [])
         fine = only(await raw_exchange(proxy.port, _chunked_post(body, 64)))
         assert fine.status == 200, fine.body  # the same body in fewer pieces
+
+
+async def test_a_body_of_millions_of_tiny_arrays_is_400_before_it_is_decoded():
+    """32 MiB of ``[],`` held the event loop 9 s (decode, depth walk, each leg's
+    serialisation); past MAX_CONTAINERS brackets it is refused on a C-speed count."""
+    async with pd_setup() as (proxy, prefill, decode):
+        body = b'{"model": "demo-model", "messages": [], "x": [' + b"[]," * 600_000 + b"[]]}"
+        head = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
+                b"application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body))
+        refused = only(await raw_exchange(proxy.port, head + body))
+        assert refused.status == 400 and b"arrays and objects" in refused.body
+        assert generation_legs(prefill, decode) == ([], [])
+
+
+def test_a_backend_answer_of_millions_of_arrays_is_a_bad_answer():
+    from lowproxy.handshakes.backend_json import BadAnswer, strict_loads
+    with pytest.raises(BadAnswer, match="arrays and objects"):
+        strict_loads(b'{"kv_transfer_params": [' + b"[]," * 600_000 + b"[]]}", 8 << 20)
+    assert strict_loads(b'{"kv_transfer_params": {"remote_block_ids": [[1, 2]]}}', 1 << 20)
