@@ -57,6 +57,12 @@ except ImportError:
     UVLOOP_FACTORY = None
 
 log = logging.getLogger("lowproxy")
+# The probe and metrics listener: a probe or a scrape asks at once and rarely
+# reuses its connection, so idle ones go in seconds. With the main port's 30 s
+# head and 75 s keep-alive, 64 idle sockets held every slot and the kubelet's
+# liveness probe got 503 until the pod restarted.
+PROBE_LIMITS = Limits(max_header_bytes=16 * 1024, max_body_bytes=64 * 1024,
+                      header_timeout=2.0, keepalive_timeout=5.0, max_connections=256)
 
 # How often a worker writes its metrics for the others, and checks the certificate.
 SHARE_SECONDS = 1.0
@@ -145,7 +151,7 @@ async def serve(config: Config, listeners: Listeners, ready: asyncio.Future[int]
     await server.listen(None, 0, sock=listeners.main, ssl=context)
     metrics_server = None
     if listeners.metrics is not None:  # plain HTTP always: probes and scrapers
-        metrics_server = HttpServer(proxy.handle_probes_only, Limits(max_connections=64))
+        metrics_server = HttpServer(proxy.handle_probes_only, PROBE_LIMITS)
         await metrics_server.listen(None, 0, sock=listeners.metrics)
     background = []
     if share is not None:

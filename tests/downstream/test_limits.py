@@ -13,22 +13,27 @@ import asyncio
 import contextlib
 import gc
 import resource
+import signal
 import socket
 
 import pytest
 
 from helpers import (
     CHAT,
+    Daemon,
     ScriptedBackend,
     chat,
     config_for,
+    free_port,
     parse_replies,
     pd_setup,
     raw_exchange,
+    request,
     running_proxy,
     wait_until,
 )
 from lowproxy.config import Config, load_config
+from lowproxy.demo import DemoBackend
 from lowproxy.upstream.stream import READ_HIGH_WATER, _StreamProtocol
 
 LIMITS = dict(max_header_bytes=4096, max_body_bytes=4096)
@@ -484,4 +489,33 @@ async def test_a_client_reading_slowly_but_steadily_outlasts_the_write_timeout()
                 client.close()
             assert received.count(b"data: ") == 12
     finally:
+        await decode.close()
+
+
+async def test_idle_sockets_on_the_probe_port_do_not_fail_the_probes():
+    """The kubelet probes the metrics port: 64 idle sockets held every slot for the
+    main port's 30 s head timeout, and liveness answered 503 until the pod restarted."""
+    decode = await DemoBackend("decode").start(bootstrap_port=None)
+    metrics_port = free_port()
+    daemon = Daemon([], {"PD_PROXY_HOST": "127.0.0.1", "PD_PROXY_PORT": "0",
+                         "PD_PROXY_LOOP": "asyncio", "PD_PROXY_DECODE_URL": decode.url,
+                         "PD_PROXY_METRICS_PORT": str(metrics_port)})
+    idle = []
+    try:
+        await asyncio.to_thread(daemon.wait_listening)
+        for _ in range(100):  # more than the old cap of 64; they send nothing
+            idle.append(await asyncio.open_connection("127.0.0.1", metrics_port))
+        await asyncio.sleep(3.0)  # past the probe port's 2 s head timeout
+        assert (await request(metrics_port, "GET", "/healthz")).status == 200
+        assert (await request(metrics_port, "GET", "/readyz")).status == 200
+        closed = 0
+        for reader, _ in idle:  # each was answered 408 and closed
+            with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+                await asyncio.wait_for(reader.read(), 1.0)
+                closed += reader.at_eof()
+        assert closed == len(idle)
+    finally:
+        for _, writer in idle:
+            writer.close()
+        assert await asyncio.to_thread(daemon.stop, signal.SIGTERM) == 0, daemon.output()
         await decode.close()
