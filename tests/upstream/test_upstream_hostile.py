@@ -488,3 +488,16 @@ async def test_early_hints_never_reach_an_http10_client():
             running_proxy(config_for(decode=backend.url)) as proxy:
         raw = await raw_exchange(proxy.port, b"GET /v1/models HTTP/1.0\r\nhost: x\r\n\r\n")
         assert raw.startswith(b"HTTP/1.1 200 ") and b" 103 " not in raw
+
+
+async def test_an_answer_of_thousands_of_tiny_chunks_is_a_protocol_error():
+    """A health or bootstrap answer of 2-byte chunks kept the loop decoding for
+    seconds each round: read() bounds pieces as well as bytes."""
+    tiny = chunked_answer(*([b"ab"] * 5000))
+    async with hostile([tiny]) as backend, pool_for(backend) as (upstream, endpoint):
+        with pytest.raises(UpstreamProtocolError, match="chunks"):
+            await call(upstream, endpoint, b"GET")
+    few = chunked_answer(*([b"ab" * 100] * 50))
+    async with hostile([few]) as backend, pool_for(backend) as (upstream, endpoint):
+        _, data = await call(upstream, endpoint, b"GET")
+        assert data == b"ab" * 5000  # the same bytes in fewer pieces
