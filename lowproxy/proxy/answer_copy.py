@@ -21,6 +21,10 @@ from .failures import Truncated
 
 # A non-streamed answer whose usage is rewritten is read whole; larger is cut.
 MAX_REWRITTEN_BYTES = 64 * 1024 * 1024
+# ...but only SGLang's logprobs merge needs it that big: a usage figure is not
+# worth holding more than this per request (60 MB answers, a few at once, took
+# the process past a gigabyte), so a larger answer goes on as decode sent it.
+MAX_USAGE_REWRITE_BYTES = 1024 * 1024
 # A streamed answer whose usage is rewritten goes on in whole lines (an event's
 # data line cut by a read would escape the rewrite); a line longer than this
 # goes on as it comes, unrewritten, rather than be held without bound.
@@ -50,10 +54,13 @@ async def relay(metrics: Metrics, exchange: Exchange, responder: ResponseWriter,
     if (cached is not None or logprobs is not None) and surface is not None \
             and 200 <= response.status < 300:
         # The prefill's cached-token figure goes into decode's usage.
-        if content_length is not None:
+        if content_length is not None and (logprobs is not None
+                                           or content_length <= MAX_USAGE_REWRITE_BYTES):
             await _relay_rewritten(metrics, exchange, responder, response, headers, surface,
                                   cached or 0, logprobs)
             return
+        if content_length is not None:  # too big to hold for a usage figure: as it came
+            surface = None
     else:
         surface = None
     await responder.start(response.status, headers, content_length)

@@ -250,3 +250,18 @@ def test_an_answer_whose_usage_bytes_are_not_certain_is_written_whole(raw):
     assert out is not None
     assert json.loads(out)["usage"]["prompt_tokens_details"] == {"cached_tokens": 2}
     assert json.loads(out) == {**json.loads(raw), "usage": json.loads(out)["usage"]}
+
+
+async def test_an_answer_too_big_to_hold_for_its_usage_goes_on_as_decode_sent_it():
+    """Read whole to rewrite one figure, 60 MB answers (a few at once) took the
+    process past a gigabyte: past 1 MiB a length-framed answer is relayed as it came."""
+    pad = "y" * (1024 * 1024)
+    async with cluster() as (proxy, decode):
+        decode.usage = '{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":5}}'
+        small = await proxy.request("POST", CHAT_PATH, BODIES[CHAT_PATH])
+        assert small.body != decode.sent[-1]  # rewritten (the prefill's 0)
+        decode.usage = ('{"prompt_tokens":5,"prompt_tokens_details":{"cached_tokens":5},'
+                        f'"pad":"{pad}"}}')
+        big = await proxy.request("POST", CHAT_PATH, BODIES[CHAT_PATH])
+        assert big.status == 200 and big.complete
+        assert big.body == decode.sent[-1]  # byte for byte
