@@ -50,6 +50,8 @@ from .prefill_watch import PrefillWatch
 from .tracing import Tracing
 
 log = logging.getLogger("lowproxy.dispatch")
+# vLLM prefill legs left to finish after their request ended, at most, per process.
+MAX_ORPHANED_PREFILLS = 1024
 
 
 def _nobody_listens(exchange: Exchange) -> None:
@@ -79,6 +81,7 @@ class Dispatcher:
         self.aborts = LegAborts(upstream, self.background, config.sglang_admin_api_key)
         self.deadlines = Deadlines()  # the legs' bounds
         self.engine_loads: EngineLoads | None = None  # set by the proxy: ORCA reports
+        self.orphans = 0  # vLLM prefill legs still running for requests that are over
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self.background.loop = self.deadlines.loop = loop
@@ -263,8 +266,29 @@ class Dispatcher:
             self.aborts.drop_decode(exchange, response, plan.abort_rids)
             if not prefill_task.done() and not prefill_closed and plan.prefill is not None:
                 self.aborts.abort(exchange, plan.prefill, "prefill", plan.abort_rids)
+                if not plan.abort_rids:
+                    self._orphaned(exchange, plan.prefill, prefill_task)
             raise
         return answer
+
+    def _orphaned(self, exchange: Exchange, endpoint: Endpoint,
+                  prefill_task: asyncio.Task[PrefillResult]) -> None:
+        """A vLLM prefill leg left to finish for a request that is over (aborting it
+        mid-transfer can leak KV blocks), up to MAX_ORPHANED_PREFILLS at once: clients
+        leaving faster than prefills end would otherwise hold a task, a connection
+        and a file descriptor each for up to the prefill timeout (300 s), without
+        bound. Past it the leg is closed (vLLM aborts it), and the log says so."""
+        if self.orphans >= MAX_ORPHANED_PREFILLS:
+            logs.warn(log, f"prefill leg closed: {MAX_ORPHANED_PREFILLS} prefill legs of "
+                      "requests already over are still running", exchange.request_id,
+                      backend=endpoint.label, handshake=exchange.handshake)
+            prefill_task.cancel()
+            return
+        self.orphans += 1
+        prefill_task.add_done_callback(self._orphan_ended)
+
+    def _orphan_ended(self, _: asyncio.Task[PrefillResult]) -> None:
+        self.orphans -= 1
 
     def _without_kv(self, exchange: Exchange, plan: Plan,
                     failed: PrefillResult | str) -> bytes:

@@ -330,3 +330,26 @@ async def test_a_prefill_leg_no_decode_got_is_closed_not_left_to_pin_its_kv():
             assert proxy.proxy.metrics.prefill_legs.get("mooncake", "ok") == 0
     finally:
         await prefill.close()
+
+
+async def test_prefill_legs_left_to_finish_for_clients_gone_are_bounded(monkeypatch):
+    """Clients leaving faster than prefills end held a task, a connection and an fd
+    each for the prefill timeout, without bound: past MAX_ORPHANED_PREFILLS the leg
+    of a request already over is closed (vLLM aborts it)."""
+    from helpers import Client
+    from lowproxy.proxy import dispatch
+
+    monkeypatch.setattr(dispatch, "MAX_ORPHANED_PREFILLS", 1)
+    async with pd_setup("mooncake", prefill_timeout=60) as (proxy, prefill, decode):
+        prefill.faults.delay = 1.5
+        for n in (1, 2):
+            client = await Client.open(proxy.port)
+            client.send("POST", CHAT, chat())
+            await wait_until(lambda n=n: len(decode.requests_to(CHAT)) == n
+                             and len(prefill.requests_to(CHAT)) == n, what="both legs sent")
+            client.close()
+        await wait_until(lambda: prefill.abandoned == 1, what="the second prefill closed")
+        assert proxy.proxy.dispatch.orphans == 1  # the first is left to finish
+        await wait_until(lambda: proxy.proxy.metrics.prefill_legs.get("mooncake", "ok") == 1,
+                         what="the first prefill finished", timeout=5)
+        assert proxy.proxy.dispatch.orphans == 0
