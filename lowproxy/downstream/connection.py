@@ -49,6 +49,9 @@ LINGER_BYTES = 4 * 1024 * 1024
 # A request body may come in at most max_body_bytes / CHUNK_COST pieces (131072
 # for the default 32 MiB): each costs h11 and this loop far more than its bytes.
 CHUNK_COST = 256
+# A request body may take the head timeout plus a second per 16 KiB that came
+# (32 MiB: 2048 s more); slower than that, the client is holding a slot.
+MIN_BODY_RATE = 16 * 1024.0
 
 Handler = Callable[[ClientRequest, ResponseWriter], Awaitable[None]]
 
@@ -104,6 +107,7 @@ class ClientConnection:
         except (AttributeError, NotImplementedError):  # a transport without it: bound all
             self._low_water = 0
         self._head_bytes = 0
+        self._body_until = 0.0  # a body's whole deadline (loop time), moved by what came
         self._head_reads: list[bytes] | None = None  # this cycle's reads until its head
         self._task: asyncio.Task[Any] | None = None
 
@@ -279,7 +283,12 @@ class ClientConnection:
             if data and self.phase is Phase.IDLE:
                 self._enter(Phase.HEAD, self.limits.header_timeout)
             elif data and self.phase is Phase.BODY:
-                self._enter(Phase.BODY, self.limits.header_timeout)
+                # Each read re-arms the head timeout, within a whole deadline that
+                # grows by what came at MIN_BODY_RATE: a byte every 29 s held a
+                # slot for ever (10000 of them for ~350 B/s).
+                self._body_until += len(data) / MIN_BODY_RATE
+                self._enter(Phase.BODY, min(self.limits.header_timeout,
+                                            self._body_until - self._loop.time()))
             if self._head_reads is not None:  # a request's head, most often whole in one read
                 event = receive_request(conn, data)
                 if event is not h11.NEED_DATA:
@@ -410,6 +419,7 @@ class ClientConnection:
         """The whole body, bounded; None once refused (413) or the client left."""
         limits = self.limits
         self._enter(Phase.BODY, limits.header_timeout)
+        self._body_until = self._loop.time() + limits.header_timeout
         parts: list[bytes] = []
         size = 0
         # Pieces are bounded (CHUNK_COST), not only bytes: a

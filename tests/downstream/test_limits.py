@@ -190,6 +190,29 @@ async def test_body_that_stops_arriving_is_408():
         await assert_serves(proxy)
 
 
+async def test_body_trickling_a_byte_at_a_time_is_408_on_its_whole_deadline():
+    """Each read re-armed the head timeout: a byte every 29 s held a slot for ever.
+    The whole body gets the head timeout plus a second per 16 KiB that came."""
+    async with pd_setup(header_timeout=0.3) as (proxy, prefill, decode):
+        reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+        writer.write(post_head(1000) + b'{"model":')
+
+        async def trickle() -> None:
+            with contextlib.suppress(ConnectionError):
+                for _ in range(100):  # 0.15 s apart: each within the head timeout
+                    await asyncio.sleep(0.15)
+                    writer.write(b" ")
+                    await writer.drain()
+
+        trickling = asyncio.create_task(trickle())
+        raw = await asyncio.wait_for(reader.read(), 5)
+        trickling.cancel()
+        writer.close()
+        assert only(raw).status == 408
+        assert not decode.received
+        await assert_serves(proxy)
+
+
 async def test_idle_keep_alive_connection_is_closed_quietly():
     async with pd_setup(keepalive_timeout=0.3, header_timeout=5) as (proxy, prefill, decode):
         request = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
